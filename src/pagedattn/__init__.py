@@ -1,0 +1,26 @@
+"""pagedattn: Triton kernels for paged-attention decode in LLM serving."""
+
+__version__ = "0.1.0"
+
+from .api import paged_decode, plan_decode
+from .cache import (
+    PagedCache,
+    block_table_to_indptr,
+    build_paged_cache,
+    indptr_to_block_table,
+    quantize_kv,
+)
+from .plan import DecodePlan, WorkItem
+
+__all__ = [
+    "DecodePlan",
+    "PagedCache",
+    "WorkItem",
+    "__version__",
+    "block_table_to_indptr",
+    "build_paged_cache",
+    "indptr_to_block_table",
+    "paged_decode",
+    "plan_decode",
+    "quantize_kv",
+]

@@ -1,0 +1,1 @@
+"""Private Triton kernels; use the public API in :mod:`pagedattn`."""

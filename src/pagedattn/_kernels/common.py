@@ -1,0 +1,21 @@
+"""Helpers shared by the Triton kernels."""
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def dot_any(a, b, DOT_FP32: tl.constexpr):
+    # The interpreter multiplies raw bit patterns for bf16 dots, so it gets float32 operands;
+    # compiled code keeps the operands' own dtype for the tensor cores.
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)

@@ -1,0 +1,228 @@
+"""Persistent split-KV paged decode kernel.
+
+Grid = the plan's program count. Program ``p`` walks works ``work_indptr[p]:work_indptr[p+1]``;
+each work is one (sequence, kv head, token range). All ``query_len * group`` query rows of the
+kv head are one ``BLOCK_M`` tile, so every K/V tile loaded serves the whole GQA group and all
+new tokens. K/V stream through an online softmax in log2 units; a work that covers its whole
+sequence writes ``out`` (and LSE), a cut one writes its partial slot for the reducer.
+
+Numerics: FP8 K/V are converted to the query dtype exactly (every e4m3 value is a bf16 and an
+fp16 value); per-tensor scales fold into the score scale (K) and the output (V); per-token
+scales multiply score columns (K) and probability columns (V). Scores, softmax state and
+accumulators are float32; Q K^T takes the query dtype, P V takes fp16 (bf16 for a bf16 cache).
+"""
+
+import triton
+import triton.language as tl
+
+from .common import dot_any
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Scale modes (constexpr SCALE_MODE).
+SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [batch * query_len, num_q_heads, head_dim]
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    k_ptr,  # paged K cache; strides given per logical axis, so NHD and HND are the same code
+    stride_k_page,
+    stride_k_slot,
+    stride_k_head,
+    stride_k_dim,
+    v_ptr,  # paged V cache
+    stride_v_page,
+    stride_v_slot,
+    stride_v_head,
+    stride_v_dim,
+    k_scale_ptr,  # float32: [1] per tensor, or per token with the strides below
+    stride_ks_page,
+    stride_ks_slot,
+    stride_ks_head,
+    v_scale_ptr,
+    stride_vs_page,
+    stride_vs_slot,
+    stride_vs_head,
+    block_table_ptr,  # [batch, max_pages] int32
+    stride_bt,
+    seq_lens_ptr,  # [batch] int32
+    work_indptr_ptr,  # [num_programs + 1] int32
+    works_ptr,  # [max_works, 8] int32
+    out_ptr,  # [batch * query_len, num_q_heads, head_dim]
+    stride_o_tok,
+    stride_o_head,
+    lse_ptr,  # [batch * query_len, num_q_heads] float32 (natural log); used if WRITE_LSE
+    stride_lse_tok,
+    partial_out_ptr,  # [max_partials, ROWS, HEAD_DIM] float32, contiguous
+    partial_lse_ptr,  # [max_partials, ROWS] float32 (log2 units)
+    qk_scale,  # sm_scale * log2(e)
+    window,  # sliding window in tokens (used if HAS_WINDOW)
+    QUERY_LEN: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    ROWS: tl.constexpr = QUERY_LEN * GROUP
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < ROWS
+    # Row r is query token r // GROUP, head r % GROUP of the kv head's group.
+    row_tok = offs_m // GROUP
+    row_head = offs_m % GROUP
+    compute_dtype = q_ptr.dtype.element_ty
+    # P (in [0, 1]) meets V in fp16 unless V is bf16: e4m3 and fp16 values are exact in fp16,
+    # and fp16 keeps 3 more mantissa bits of P than bf16 (8x smaller error with a bf16 query).
+    if v_ptr.dtype.element_ty == tl.bfloat16:
+        pv_dtype = tl.bfloat16
+    else:
+        pv_dtype = tl.float16
+
+    if SCALE_MODE == 1:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+
+    # int64 so that record offsets cannot overflow.
+    work_begin = tl.load(work_indptr_ptr + pid).to(tl.int64)
+    work_end = tl.load(work_indptr_ptr + pid + 1).to(tl.int64)
+    for w in range(work_begin, work_end):
+        rec = works_ptr + w * 8
+        seq = tl.load(rec + 1)
+        kv_head = tl.load(rec + 2)
+        token_start = tl.load(rec + 5)
+        token_end = tl.load(rec + 6)
+        slot = tl.load(rec + 7)
+        seq_len = tl.load(seq_lens_ptr + seq)
+
+        # -- load the query rows of this kv head --
+        q_tok = (seq * QUERY_LEN + row_tok).to(tl.int64)
+        q_head = kv_head * GROUP + row_head
+        q_ptrs = (
+            q_ptr
+            + q_tok[:, None] * stride_q_tok
+            + q_head[:, None] * stride_q_head
+            + offs_d[None, :] * stride_q_dim
+        )
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        # Absolute position of each query row; it attends keys <= pos (and > pos - window).
+        pos = seq_len - QUERY_LEN + row_tok
+
+        lo = token_start
+        if HAS_WINDOW:
+            # Skip whole tiles below every row's window (tiles stay BLOCK_N-aligned).
+            first_key = tl.maximum(seq_len - QUERY_LEN - window + 1, 0)
+            lo = tl.maximum(lo, (first_key // BLOCK_N) * BLOCK_N)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(lo, token_end, BLOCK_N):
+            tok = start + offs_n
+            tok_ok = tok < token_end
+            # -- locate the tile's tokens in the paged cache (int64: caches pass 2^31 bytes) --
+            if PAGE_SIZE >= BLOCK_N:
+                page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
+                slot_in_page = tok % PAGE_SIZE
+                k_off = page * stride_k_page + slot_in_page * stride_k_slot
+                v_off = page * stride_v_page + slot_in_page * stride_v_slot
+            else:
+                page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_ok, other=0).to(tl.int64)
+                slot_in_page = tok % PAGE_SIZE
+                k_off = page * stride_k_page + slot_in_page * stride_k_slot
+                v_off = page * stride_v_page + slot_in_page * stride_v_slot
+            k_off += kv_head * stride_k_head
+            v_off += kv_head * stride_v_head
+
+            # -- scores: S = Q K^T, in log2 units --
+            k = tl.load(
+                k_ptr + k_off[:, None] + offs_d[None, :] * stride_k_dim,
+                mask=tok_ok[:, None],
+                other=0.0,
+            )
+            s = dot_any(q, tl.trans(k.to(compute_dtype)), DOT_FP32)
+            if SCALE_MODE == 2:
+                ks = tl.load(
+                    k_scale_ptr
+                    + page * stride_ks_page
+                    + slot_in_page * stride_ks_slot
+                    + kv_head * stride_ks_head,
+                    mask=tok_ok,
+                    other=0.0,
+                )
+                s = s * (ks * qk_scale)[None, :]
+            else:
+                s = s * (qk_scale * k_scale)
+            valid = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                valid = valid & (tok[None, :] > pos[:, None] - window)
+            s = tl.where(valid, s, float("-inf"))
+
+            # -- online softmax; a row with no key yet keeps m = -inf, so guard the shifts --
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+
+            # -- accumulate P V --
+            v = tl.load(
+                v_ptr + v_off[:, None] + offs_d[None, :] * stride_v_dim,
+                mask=tok_ok[:, None],
+                other=0.0,
+            )
+            if SCALE_MODE == 2:
+                vs = tl.load(
+                    v_scale_ptr
+                    + page * stride_vs_page
+                    + slot_in_page * stride_vs_slot
+                    + kv_head * stride_vs_head,
+                    mask=tok_ok,
+                    other=0.0,
+                )
+                # Normalise by the tile's largest scale so p * vs stays out of fp16 subnormals.
+                vs_max = tl.max(vs, axis=0)
+                vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
+                pv = dot_any((p * (vs / vs_max)[None, :]).to(pv_dtype), v.to(pv_dtype), DOT_FP32)
+                acc = acc * alpha[:, None] + pv * vs_max
+            else:
+                acc = acc * alpha[:, None] + dot_any(p.to(pv_dtype), v.to(pv_dtype), DOT_FP32)
+
+        # -- epilogue: final rows to out, or a partial for the reducer --
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        result = acc * (v_scale / l_safe)[:, None]
+        lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        if slot < 0:
+            o_ptrs = (
+                out_ptr
+                + q_tok[:, None] * stride_o_tok
+                + q_head[:, None] * stride_o_head
+                + offs_d[None, :]
+            )
+            tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            if WRITE_LSE:
+                tl.store(lse_ptr + q_tok * stride_lse_tok + q_head, lse2 * LN2, mask=row_ok)
+        else:
+            p_base = slot.to(tl.int64) * ROWS
+            tl.store(
+                partial_out_ptr + (p_base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :],
+                result,
+                mask=row_ok[:, None],
+            )
+            tl.store(partial_lse_ptr + p_base + offs_m, lse2, mask=row_ok)

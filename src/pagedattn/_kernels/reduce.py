@@ -1,0 +1,71 @@
+"""Deterministic split reducer: merges the partials of each cut (sequence, kv head).
+
+One program per reduce record of the plan; unused records (``seq == -1``) exit at once, so the
+grid can be sized from host-known bounds. Partials are merged in slot order (= token order) by a
+float32 log-sum-exp merge, so repeated runs over the same inputs and plan give identical bits.
+"""
+
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _reduce_kernel(
+    reduces_ptr,  # [max_reduces, 4] int32: seq, kv_head, first_slot, num_slots
+    partial_out_ptr,  # [max_partials, ROWS, HEAD_DIM] float32
+    partial_lse_ptr,  # [max_partials, ROWS] float32, log2 units
+    out_ptr,  # [batch * query_len, num_q_heads, head_dim]
+    stride_o_tok,
+    stride_o_head,
+    lse_ptr,  # [batch * query_len, num_q_heads] float32, natural log
+    stride_lse_tok,
+    QUERY_LEN: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    ROWS: tl.constexpr = QUERY_LEN * GROUP
+    rec = reduces_ptr + tl.program_id(0).to(tl.int64) * 4
+    seq = tl.load(rec)
+    if seq >= 0:
+        kv_head = tl.load(rec + 1)
+        first_slot = tl.load(rec + 2)
+        num_slots = tl.load(rec + 3)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < ROWS
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for j in range(num_slots):
+            base = (first_slot + j).to(tl.int64) * ROWS
+            lse = tl.load(partial_lse_ptr + base + offs_m, mask=row_ok, other=float("-inf"))
+            part = tl.load(
+                partial_out_ptr + (base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            # A partial with no key for a row has lse = -inf and weight 0.
+            m_new = tl.maximum(m_i, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            weight = tl.exp2(lse - m_safe)
+            l_i = l_i * alpha + weight
+            acc = acc * alpha[:, None] + part * weight[:, None]
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        tok = (seq * QUERY_LEN + offs_m // GROUP).to(tl.int64)
+        head = kv_head * GROUP + offs_m % GROUP
+        o_ptrs = (
+            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        )
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            tl.store(
+                lse_ptr + tok * stride_lse_tok + head, (m_i + tl.log2(l_safe)) * LN2, mask=row_ok
+            )

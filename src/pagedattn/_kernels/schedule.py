@@ -1,0 +1,150 @@
+"""GPU scheduler: turns ``seq_lens`` into the persistent decode kernel's work list.
+
+One launch, ``num_programs`` programs, no host sync. Every program recomputes the same
+prefix sums over the batch (``tl.cumsum`` in chunks of ``BLOCK_B``) and then writes only
+its own works, so programs never wait for each other and the result is deterministic.
+
+Model (per KV head; every head has the same structure, shifted):
+  ``parts[b] = cdiv(seq_lens[b], PARTITION)``; the ``total`` partitions of the batch are laid
+  end to end and cut into ``PROGRAMS_PER_HEAD`` contiguous ranges whose sizes differ by at
+  most one (``start(i) = i * base + min(i, rem)``). A work is the intersection of one
+  program's range with one sequence. Sequences and ranges are both contiguous, so ordering
+  works by (program, sequence) equals ordering them by sequence: a sequence's works are
+  consecutive, and so are its partial slots.
+
+Buffer layout (int32, see ``plan.py`` for the named views):
+  work_indptr  [num_programs + 1]
+  works        [max_works, WORK_FIELDS]   fields below
+  reduces      [max_reduces, REDUCE_FIELDS]  (seq, kv_head, first_slot, num_slots); seq -1 = unused
+"""
+
+import triton
+import triton.language as tl
+
+# Work record fields (int32 each).
+W_PROGRAM, W_SEQ, W_KV_HEAD, W_QH_START, W_QH_END, W_TOKEN_START, W_TOKEN_END, W_SLOT = range(8)
+WORK_FIELDS = 8
+# Reduce record fields.
+R_SEQ, R_KV_HEAD, R_FIRST_SLOT, R_NUM_SLOTS = range(4)
+REDUCE_FIELDS = 4
+
+
+@triton.jit
+def _program_of(x, base, rem):
+    # Inverse of start(i) = i * base + min(i, rem): which program owns partition x.
+    big = rem * (base + 1)
+    safe_base = tl.where(base > 0, base, 1)
+    return tl.where(x < big, x // (base + 1), rem + (x - big) // safe_base)
+
+
+@triton.jit
+def _schedule_kernel(
+    seq_lens_ptr,  # [batch] int32
+    work_indptr_ptr,  # [num_programs + 1] int32
+    works_ptr,  # [max_works, WORK_FIELDS] int32
+    reduces_ptr,  # [max_reduces, REDUCE_FIELDS] int32
+    batch,
+    max_reduces,
+    PROGRAMS_PER_HEAD: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PARTITION: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = pid // PROGRAMS_PER_HEAD
+    local = pid % PROGRAMS_PER_HEAD
+    offs = tl.arange(0, BLOCK_B)
+
+    # -- pass 1: total partitions of one head --
+    total = tl.sum(tl.zeros([BLOCK_B], dtype=tl.int32), axis=0)
+    for b0 in range(0, batch, BLOCK_B):
+        lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
+        total += tl.sum(tl.cdiv(lens, PARTITION), axis=0)
+    base = total // PROGRAMS_PER_HEAD
+    rem = total % PROGRAMS_PER_HEAD
+    p_start = local * base + tl.minimum(local, rem)
+    p_end = p_start + base + (local < rem).to(tl.int32)
+
+    # -- pass 2: what lies before this program, and per-head totals --
+    works_before = total * 0
+    partials_before = total * 0
+    cut_before = total * 0
+    total_works = total * 0
+    total_partials = total * 0
+    total_cut = total * 0
+    carry = total * 0
+    for b0 in range(0, batch, BLOCK_B):
+        lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
+        parts = tl.cdiv(lens, PARTITION)
+        cum_incl = carry + tl.cumsum(parts, axis=0)
+        cum_excl = cum_incl - parts
+        carry += tl.sum(parts, axis=0)
+        first = _program_of(cum_excl, base, rem)
+        last = _program_of(cum_incl - 1, base, rem)
+        pieces = tl.where(parts > 0, last - first + 1, 0)
+        cut = pieces > 1
+        pieces_before = tl.where(
+            parts > 0, tl.maximum(tl.minimum(last, local - 1) - first + 1, 0), 0
+        )
+        works_before += tl.sum(pieces_before, axis=0)
+        partials_before += tl.sum(tl.where(cut, pieces_before, 0), axis=0)
+        cut_before += tl.sum((cut & (first < local)).to(tl.int32), axis=0)
+        total_works += tl.sum(pieces, axis=0)
+        total_partials += tl.sum(tl.where(cut, pieces, 0), axis=0)
+        total_cut += tl.sum(cut.to(tl.int32), axis=0)
+
+    work_base = kv_head * total_works + works_before
+    tl.store(work_indptr_ptr + pid, work_base)
+    if pid == NUM_PROGRAMS - 1:
+        tl.store(work_indptr_ptr + NUM_PROGRAMS, (kv_head + 1) * total_works)
+
+    # -- pass 3: write this program's works (and the reduce record of a sequence it starts) --
+    slot_base = kv_head * total_partials + partials_before
+    mine_carry = total * 0
+    cut_carry = total * 0
+    carry = total * 0
+    for b0 in range(0, batch, BLOCK_B):
+        seq = b0 + offs
+        lens = tl.load(seq_lens_ptr + seq, mask=seq < batch, other=0)
+        parts = tl.cdiv(lens, PARTITION)
+        cum_incl = carry + tl.cumsum(parts, axis=0)
+        cum_excl = cum_incl - parts
+        carry += tl.sum(parts, axis=0)
+        first = _program_of(cum_excl, base, rem)
+        last = _program_of(cum_incl - 1, base, rem)
+        mine = (parts > 0) & (first <= local) & (last >= local)
+        cut = mine & (last > first)
+        idx = mine_carry + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        slot_idx = cut_carry + tl.cumsum(cut.to(tl.int32), axis=0) - 1
+        mine_carry += tl.sum(mine.to(tl.int32), axis=0)
+        cut_carry += tl.sum(cut.to(tl.int32), axis=0)
+        slot = tl.where(cut, slot_base + slot_idx, -1)
+        tok_start = (tl.maximum(cum_excl, p_start) - cum_excl) * PARTITION
+        tok_end = tl.minimum((tl.minimum(cum_incl, p_end) - cum_excl) * PARTITION, lens)
+        rec = works_ptr + (work_base + idx).to(tl.int64) * 8
+        tl.store(rec + 0, tl.zeros_like(seq) + pid, mask=mine)
+        tl.store(rec + 1, seq, mask=mine)
+        tl.store(rec + 2, tl.zeros_like(seq) + kv_head, mask=mine)
+        tl.store(rec + 3, tl.zeros_like(seq) + kv_head * GROUP, mask=mine)
+        tl.store(rec + 4, tl.zeros_like(seq) + (kv_head + 1) * GROUP, mask=mine)
+        tl.store(rec + 5, tok_start, mask=mine)
+        tl.store(rec + 6, tok_end, mask=mine)
+        tl.store(rec + 7, slot, mask=mine)
+        # The program holding a cut sequence's first piece writes its reduce record.
+        starts_cut = cut & (first == local)
+        red = reduces_ptr + (kv_head * total_cut + cut_before).to(tl.int64) * 4
+        tl.store(red + 0 + offs * 0, seq, mask=starts_cut)
+        tl.store(red + 1 + offs * 0, tl.zeros_like(seq) + kv_head, mask=starts_cut)
+        tl.store(red + 2 + offs * 0, slot, mask=starts_cut)
+        tl.store(red + 3 + offs * 0, last - first + 1, mask=starts_cut)
+
+    # -- clear the reduce records no sequence uses, so the reducer skips them --
+    used = (NUM_PROGRAMS // PROGRAMS_PER_HEAD) * total_cut
+    for r0 in range(pid * BLOCK_B, max_reduces, NUM_PROGRAMS * BLOCK_B):
+        r = r0 + offs
+        unused = (r >= used) & (r < max_reduces)
+        for f in tl.static_range(4):
+            tl.store(
+                reduces_ptr + r.to(tl.int64) * 4 + f, tl.full([BLOCK_B], -1, tl.int32), mask=unused
+            )

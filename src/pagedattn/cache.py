@@ -1,0 +1,403 @@
+"""Paged KV-cache tools: FP8 quantisation, a test/benchmark cache builder, page-table converters.
+
+FP8 here is e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, largest finite
+value 448, no infinities, NaN = bit pattern ``0x7F``/``0xFF``). Round-to-nearest keeps each
+normal value within a relative 2^-4 of the input (half of the 2^-3 mantissa step); with amax
+scaling, ``||dequantised - x|| / ||x||`` is about 2.5% for Gaussian data (measured in
+``tests/test_cache.py``, bounded there by 3.5%).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn.reference import KV_LAYOUTS
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "PagedCache",
+    "block_table_to_indptr",
+    "build_paged_cache",
+    "indptr_to_block_table",
+    "quantize_kv",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# e4m3fn has no infinity; 0x7F (all exponent and mantissa bits set) is its NaN.
+_FP8_NAN_BITS = 0x7F
+SCALE_MODES = ("per_tensor", "per_token")
+
+
+def quantize_kv(
+    x: torch.Tensor, mode: str = "per_tensor", *, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise K or V values to FP8 e4m3 with amax scaling.
+
+    ``x ~= x_fp8.float() * scale``. The scale maps the largest magnitude to 448, the largest
+    e4m3 value; values are clamped to +-448 before the cast, so rounding (or a given ``scale``
+    too small for the data) saturates instead of overflowing to NaN. Where the amax is 0 (or
+    so small that ``amax / 448`` underflows to 0) the scale is 1, so all-zero input gives zeros
+    and a finite scale. Relative error per element: at most 2^-4 for values in e4m3's normal
+    range; about 2.5% in norm for Gaussian data.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., head_dim]``, any floating dtype, finite values.
+    mode : {"per_tensor", "per_token"}
+        One scale for the whole tensor, or one per vector along the last dim (head_dim).
+    scale : torch.Tensor, optional
+        Use this scale instead of computing one (float32, shape as ``mode`` gives); values
+        beyond ``448 * scale`` saturate.
+
+    Returns
+    -------
+    x_fp8 : torch.Tensor
+        ``torch.float8_e4m3fn``, ``x.shape``, on ``x.device``.
+    scale : torch.Tensor
+        float32 on ``x.device``: shape ``[1]`` (per tensor) or ``x.shape[:-1]`` (per token).
+    """
+    if mode not in SCALE_MODES:
+        raise ValueError(f"mode: expected one of {SCALE_MODES}, got {mode!r}")
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"x: expected a floating-point torch.Tensor, got {got}")
+    if x.dim() == 0:
+        raise ValueError("x: expected at least one dim ([..., head_dim]), got a scalar")
+    values = x.to(torch.float32)
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        raise ValueError("x: expected finite values, got NaN or infinity")
+    scale_shape = (1,) if mode == "per_tensor" else tuple(x.shape[:-1])
+    if scale is None:
+        if mode == "per_tensor":
+            amax = values.abs().amax() if values.numel() else values.new_zeros(())
+            amax = amax.reshape(1)
+        else:
+            amax = values.abs().amax(dim=-1) if x.shape[-1] else values.new_zeros(scale_shape)
+        scale = amax / FP8_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    else:
+        if tuple(scale.shape) != scale_shape:
+            raise ValueError(
+                f"scale: expected shape {scale_shape} for mode {mode!r}, got {tuple(scale.shape)}"
+            )
+        scale = scale.to(device=x.device, dtype=torch.float32)
+    divisor = scale.reshape(()) if mode == "per_tensor" else scale.unsqueeze(-1)
+    x_fp8 = (values / divisor).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_fp8, scale
+
+
+@dataclass
+class PagedCache:
+    """A paged KV cache with its page table, as :func:`build_paged_cache` makes it.
+
+    Attributes
+    ----------
+    k_cache, v_cache : torch.Tensor
+        ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+        ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND); bf16, fp16, float32 or
+        ``torch.float8_e4m3fn``. Views of one tensor when built with ``kv_combined=True``.
+    block_table : torch.Tensor
+        ``[batch, max_pages_per_seq]`` int32.
+    seq_lens : torch.Tensor
+        ``[batch]`` int32.
+    k_scale, v_scale : torch.Tensor or None
+        None (non-FP8), float32 ``[1]`` (per tensor) or float32 of the cache shape without
+        head_dim (per token).
+    kv_layout : str
+        ``"NHD"`` or ``"HND"``.
+    page_size : int
+        Tokens per page.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    kv_layout: str
+    page_size: int
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the cache, owned or not."""
+        return self.k_cache.shape[0]
+
+
+def _slot_validity(lengths: list[int], page_ids: list[int], num_pages: int, page_size: int):
+    """Bool ``[num_pages, page_size]``: True where a slot holds a token of some sequence.
+
+    Owned pages are ``page_ids[:num_owned]`` in sequence order, as the block table has them.
+    """
+    filled = []  # tokens held by each owned page, in ownership order
+    for n in lengths:
+        full, tail = divmod(n, page_size)
+        filled += [page_size] * full + ([tail] if tail else [])
+    valid = torch.zeros(num_pages, page_size, dtype=torch.bool)
+    owned_ids = torch.tensor(page_ids[: len(filled)], dtype=torch.long)
+    slots = torch.arange(page_size)
+    valid[owned_ids] = slots < torch.tensor(filled, dtype=torch.long).reshape(-1, 1)
+    return valid
+
+
+def build_paged_cache(
+    seq_lens: Sequence[int] | torch.Tensor,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    kv_dtype: torch.dtype = torch.bfloat16,
+    kv_layout: str = "NHD",
+    kv_scale: str | None = None,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+    extra_pages: int = 0,
+    max_pages_per_seq: int | None = None,
+    kv_combined: bool = False,
+) -> PagedCache:
+    """Build a random paged KV cache whose stray reads show up as NaN.
+
+    Sequence ``b`` owns ``ceil(seq_lens[b] / page_size)`` pages; page ids are a random
+    permutation of ``range(num_pages)``, so tables are shuffled, and ``extra_pages`` more pages
+    are owned by no one. Every unowned page, and every slot of a sequence's last page past its
+    length, holds NaN (FP8: bit pattern ``0x7F``; per-token scales of those slots are NaN too),
+    so a kernel that reads one poisons its output. Owned slots hold standard-normal values
+    (cast to ``kv_dtype``, or :func:`quantize_kv` of them for FP8; K and V scaled separately).
+
+    Block-table columns past a sequence's pages hold the id of an unowned (NaN) page when
+    ``extra_pages > 0``, else 0 (a page some sequence owns).
+
+    Parameters
+    ----------
+    seq_lens : sequence of int or torch.Tensor
+        ``[batch]`` tokens per sequence (>= 0).
+    num_kv_heads, head_dim, page_size : int
+        Cache geometry.
+    kv_dtype : torch.dtype
+        ``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or ``torch.float8_e4m3fn``.
+    kv_layout : {"NHD", "HND"}
+        ``[num_pages, page_size, num_kv_heads, head_dim]`` or
+        ``[num_pages, num_kv_heads, page_size, head_dim]``.
+    kv_scale : {None, "per_tensor", "per_token"}
+        Scale mode; required for FP8, must be None otherwise.
+    device : str or torch.device
+        Where the returned tensors live.
+    generator : torch.Generator, optional
+        Source of randomness (values and page order), for reproducible caches; random numbers
+        are drawn on its device.
+    extra_pages : int
+        Unowned, NaN-filled pages added to the cache.
+    max_pages_per_seq : int, optional
+        Block-table width; default the most pages any sequence owns (at least 1).
+    kv_combined : bool
+        Make K and V views ``kv[:, 0]``, ``kv[:, 1]`` of one ``[num_pages, 2, ...]`` tensor,
+        so their strides are not contiguous ones.
+
+    Returns
+    -------
+    PagedCache
+        ``block_table`` int32 ``[batch, max_pages_per_seq]`` and ``seq_lens`` int32
+        ``[batch]``, both on ``device``.
+    """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if kv_dtype not in (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE):
+        raise TypeError(
+            f"kv_dtype: expected bfloat16, float16, float32 or float8_e4m3fn, got {kv_dtype}"
+        )
+    is_fp8 = kv_dtype == FP8_DTYPE
+    if is_fp8 and kv_scale not in SCALE_MODES:
+        raise ValueError(f"kv_scale: expected one of {SCALE_MODES} for FP8, got {kv_scale!r}")
+    if not is_fp8 and kv_scale is not None:
+        raise ValueError(f"kv_scale: expected None for kv_dtype {kv_dtype}, got {kv_scale!r}")
+    for name, value, low in (
+        ("num_kv_heads", num_kv_heads, 1),
+        ("head_dim", head_dim, 1),
+        ("page_size", page_size, 1),
+        ("extra_pages", extra_pages, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if isinstance(seq_lens, torch.Tensor):
+        seq_lens = seq_lens.tolist()
+    lengths = [int(n) for n in seq_lens]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {lengths}")
+
+    pages_per_seq = [math.ceil(n / page_size) for n in lengths]
+    needed = max(pages_per_seq, default=0)
+    if max_pages_per_seq is None:
+        max_pages_per_seq = max(1, needed)
+    elif max_pages_per_seq < needed:
+        raise ValueError(
+            f"max_pages_per_seq: expected >= {needed} (the most pages a sequence owns), "
+            f"got {max_pages_per_seq}"
+        )
+    num_owned = sum(pages_per_seq)
+    num_pages = num_owned + extra_pages
+    random_device = generator.device if generator is not None else torch.device(device)
+
+    # -- page table: owned ids first in a random permutation, the rest unowned --
+    page_ids = torch.randperm(num_pages, generator=generator, device=random_device).tolist()
+    padding = page_ids[num_owned] if extra_pages else 0
+    table = torch.full((len(lengths), max_pages_per_seq), padding, dtype=torch.int32)
+    cursor = 0
+    for b, count in enumerate(pages_per_seq):
+        table[b, :count] = torch.tensor(page_ids[cursor : cursor + count], dtype=torch.int32)
+        cursor += count
+
+    # -- values, then NaN in every slot no sequence owns --
+    if kv_layout == "NHD":
+        page_shape = (page_size, num_kv_heads, head_dim)
+    else:
+        page_shape = (num_kv_heads, page_size, head_dim)
+    valid = _slot_validity(lengths, page_ids, num_pages, page_size).to(device)
+    if kv_layout == "NHD":
+        valid = valid.unsqueeze(2).expand(num_pages, page_size, num_kv_heads)
+    else:
+        valid = valid.unsqueeze(1).expand(num_pages, num_kv_heads, page_size)
+    if kv_combined:
+        storage = torch.empty((num_pages, 2, *page_shape), dtype=kv_dtype, device=device)
+        caches = [storage[:, 0], storage[:, 1]]
+    else:
+        caches = [torch.empty((num_pages, *page_shape), dtype=kv_dtype, device=device)]
+        caches.append(torch.empty_like(caches[0]))
+    scales = []
+    for cache in caches:
+        values = torch.randn(
+            (num_pages, *page_shape),
+            generator=generator,
+            device=random_device,
+            dtype=torch.float32 if is_fp8 else kv_dtype,
+        ).to(device)
+        if is_fp8:
+            values, scale = quantize_kv(values, kv_scale)
+            values = values.view(torch.uint8).masked_fill(~valid.unsqueeze(-1), _FP8_NAN_BITS)
+            values = values.view(FP8_DTYPE)
+            if kv_scale == "per_token":
+                scale = scale.masked_fill(~valid, float("nan"))
+            scales.append(scale)
+        else:
+            values = values.masked_fill(~valid.unsqueeze(-1), float("nan"))
+            scales.append(None)
+        cache.copy_(values)
+        del values  # frees the float32 draw before the V one at benchmark sizes
+    return PagedCache(
+        k_cache=caches[0],
+        v_cache=caches[1],
+        block_table=table.to(device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        k_scale=scales[0],
+        v_scale=scales[1],
+        kv_layout=kv_layout,
+        page_size=page_size,
+    )
+
+
+def block_table_to_indptr(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert a block table to the CSR form ``(kv_indptr, kv_page_indices)``.
+
+    Sequence ``b``'s pages are ``kv_page_indices[kv_indptr[b] : kv_indptr[b + 1]]``, the first
+    ``ceil(seq_lens[b] / page_size)`` entries of its block-table row. Syncs with the host.
+
+    Parameters
+    ----------
+    block_table : torch.Tensor
+        ``[batch, max_pages_per_seq]`` integer page ids.
+    seq_lens : torch.Tensor
+        ``[batch]`` integer tokens per sequence.
+    page_size : int
+        Tokens per page.
+
+    Returns
+    -------
+    kv_indptr : torch.Tensor
+        int32 ``[batch + 1]``, starting at 0, on ``block_table.device``.
+    kv_page_indices : torch.Tensor
+        int32 ``[kv_indptr[-1]]``, on ``block_table.device``.
+    """
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table: expected 2 dims, got shape {tuple(block_table.shape)}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
+        raise ValueError(
+            f"seq_lens: expected shape ({block_table.shape[0]},) (one per block-table row), "
+            f"got {tuple(seq_lens.shape)}"
+        )
+    if page_size < 1:
+        raise ValueError(f"page_size: expected >= 1, got {page_size}")
+    device = block_table.device
+    lengths = seq_lens.to(device=device, dtype=torch.long)
+    if lengths.numel() and bool((lengths < 0).any()):
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {lengths.tolist()}")
+    counts = (lengths + page_size - 1) // page_size
+    if counts.numel() and int(counts.max()) > block_table.shape[1]:
+        raise ValueError(
+            f"block_table: a sequence needs {int(counts.max())} pages, the table has "
+            f"{block_table.shape[1]} columns"
+        )
+    kv_indptr = torch.zeros(len(counts) + 1, dtype=torch.int32, device=device)
+    kv_indptr[1:] = torch.cumsum(counts, 0)
+    owned = torch.arange(block_table.shape[1], device=device) < counts.unsqueeze(1)
+    # Boolean indexing is row-major, so pages stay in sequence order.
+    kv_page_indices = block_table[owned].to(torch.int32)
+    return kv_indptr, kv_page_indices
+
+
+def indptr_to_block_table(
+    kv_indptr: torch.Tensor, kv_page_indices: torch.Tensor, max_pages_per_seq: int | None = None
+) -> torch.Tensor:
+    """Convert the CSR form ``(kv_indptr, kv_page_indices)`` to a block table.
+
+    Parameters
+    ----------
+    kv_indptr : torch.Tensor
+        ``[batch + 1]`` integer, non-decreasing, ``kv_indptr[0] == 0`` and
+        ``kv_indptr[-1] == len(kv_page_indices)``.
+    kv_page_indices : torch.Tensor
+        ``[total_pages]`` integer page ids.
+    max_pages_per_seq : int, optional
+        Table width; default the most pages any sequence has (at least 1).
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[batch, max_pages_per_seq]`` on ``kv_indptr.device``; columns past a sequence's
+        pages hold 0.
+    """
+    if kv_indptr.dim() != 1 or kv_indptr.shape[0] < 1:
+        raise ValueError(f"kv_indptr: expected shape (batch + 1,), got {tuple(kv_indptr.shape)}")
+    if kv_page_indices.dim() != 1:
+        raise ValueError(
+            f"kv_page_indices: expected 1 dim, got shape {tuple(kv_page_indices.shape)}"
+        )
+    device = kv_indptr.device
+    indptr = kv_indptr.to(torch.long)
+    counts = indptr[1:] - indptr[:-1]
+    if int(indptr[0]) != 0 or int(indptr[-1]) != kv_page_indices.shape[0]:
+        raise ValueError(
+            f"kv_indptr: expected to start at 0 and end at len(kv_page_indices) = "
+            f"{kv_page_indices.shape[0]}, got {int(indptr[0])} .. {int(indptr[-1])}"
+        )
+    if counts.numel() and bool((counts < 0).any()):
+        raise ValueError(f"kv_indptr: expected non-decreasing values, got {indptr.tolist()}")
+    needed = int(counts.max()) if counts.numel() else 0
+    if max_pages_per_seq is None:
+        max_pages_per_seq = max(1, needed)
+    elif max_pages_per_seq < needed:
+        raise ValueError(
+            f"max_pages_per_seq: expected >= {needed} (the most pages a sequence has), "
+            f"got {max_pages_per_seq}"
+        )
+    table = torch.zeros(len(counts), max_pages_per_seq, dtype=torch.int32, device=device)
+    owned = torch.arange(max_pages_per_seq, device=device) < counts.unsqueeze(1)
+    table[owned] = kv_page_indices.to(device=device, dtype=torch.int32)
+    return table

@@ -1,0 +1,359 @@
+"""Input validation for the public entry points.
+
+Called at the public boundary only (``api.py``). Every failure is a ``TypeError`` (wrong kind
+of object or dtype) or ``ValueError`` (wrong value or shape) whose message names the argument,
+what was expected and what came. Nothing here reads tensor values, so nothing syncs with the
+GPU, except :func:`check_values`, which ``paged_decode(debug=True)`` adds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+HEAD_DIMS = (64, 128, 256)
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+Q_DTYPES = (torch.bfloat16, torch.float16)
+KV_SCALES = (None, "per_tensor", "per_token")
+KV_LAYOUTS = ("NHD", "HND")
+MAX_PAGE_SIZE = 4096
+# Query rows of one kv head (query_len * group) held in one tile by the decode kernel.
+MAX_ROWS = 128
+MIN_PARTITION = 16
+
+
+class DecodeShape(NamedTuple):
+    batch: int
+    query_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    max_pages_per_seq: int
+    kv_dtype: torch.dtype
+    kv_scale: str | None
+
+
+def _fail(cls, name: str, expected: str, got) -> None:
+    raise cls(f"{name}: expected {expected}, got {got}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _positive_int(name: str, x) -> int:
+    if not _is_int(x):
+        _fail(TypeError, name, "an int", type(x).__name__)
+    if x < 1:
+        _fail(ValueError, name, "an int >= 1", x)
+    return x
+
+
+def _tensor(name: str, x, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
+    if x.dim() != ndim:
+        _fail(ValueError, name, f"{ndim} dimensions", f"{x.dim()} (shape {tuple(x.shape)})")
+    if x.dtype not in dtypes:
+        _fail(TypeError, name, f"dtype in {_names(dtypes)}", x.dtype)
+    return x
+
+
+def _names(dtypes) -> str:
+    return "(" + ", ".join(str(d).replace("torch.", "") for d in dtypes) + ")"
+
+
+def check_seq_lens(seq_lens) -> int:
+    """Checks ``seq_lens`` ([batch] int32) and returns the batch size."""
+    _tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    return seq_lens.shape[0]
+
+
+def check_plan_args(
+    seq_lens,
+    *,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    query_len,
+    kv_dtype,
+    kv_scale,
+    num_programs,
+    partition_size,
+) -> int:
+    """Checks :func:`pagedattn.plan_decode`'s arguments; returns the batch size."""
+    batch = check_seq_lens(seq_lens)
+    _positive_int("num_q_heads", num_q_heads)
+    _positive_int("num_kv_heads", num_kv_heads)
+    if num_q_heads % num_kv_heads:
+        _fail(
+            ValueError,
+            "num_q_heads",
+            f"a multiple of num_kv_heads={num_kv_heads}",
+            num_q_heads,
+        )
+    if head_dim not in HEAD_DIMS or not _is_int(head_dim):
+        _fail(ValueError, "head_dim", f"one of {HEAD_DIMS}", head_dim)
+    _positive_int("page_size", page_size)
+    if not _is_pow2(page_size) or page_size > MAX_PAGE_SIZE:
+        _fail(ValueError, "page_size", f"a power of two in 1..{MAX_PAGE_SIZE}", page_size)
+    _positive_int("query_len", query_len)
+    rows = query_len * (num_q_heads // num_kv_heads)
+    if rows > MAX_ROWS:
+        _fail(
+            ValueError,
+            "query_len",
+            f"query_len * (num_q_heads // num_kv_heads) <= {MAX_ROWS}",
+            f"{query_len} * {num_q_heads // num_kv_heads} = {rows}",
+        )
+    check_kv_dtype_scale(kv_dtype, kv_scale)
+    if num_programs is not None:
+        _positive_int("num_programs", num_programs)
+        if num_programs % num_kv_heads:
+            _fail(
+                ValueError,
+                "num_programs",
+                f"a multiple of num_kv_heads={num_kv_heads}",
+                num_programs,
+            )
+    if partition_size is not None:
+        _positive_int("partition_size", partition_size)
+        if not _is_pow2(partition_size) or partition_size < MIN_PARTITION:
+            _fail(
+                ValueError,
+                "partition_size",
+                f"a power of two >= {MIN_PARTITION}",
+                partition_size,
+            )
+    return batch
+
+
+def check_kv_dtype_scale(kv_dtype, kv_scale) -> None:
+    if kv_dtype not in KV_DTYPES:
+        _fail(TypeError, "kv_dtype", f"one of {_names(KV_DTYPES)}", kv_dtype)
+    if kv_scale not in KV_SCALES:
+        _fail(ValueError, "kv_scale", "None, 'per_tensor' or 'per_token'", repr(kv_scale))
+    if kv_dtype == torch.float8_e4m3fn and kv_scale is None:
+        _fail(ValueError, "kv_scale", "'per_tensor' or 'per_token' for an FP8 cache", None)
+    if kv_dtype != torch.float8_e4m3fn and kv_scale is not None:
+        _fail(ValueError, "kv_scale", f"None for a {kv_dtype} cache", repr(kv_scale))
+
+
+def _scale_mode(name: str, scale, cache: torch.Tensor, kv_layout: str) -> str | None:
+    if scale is None:
+        return None
+    _tensor(name, scale, scale.dim(), (torch.float32,))
+    if scale.device != cache.device:
+        _fail(ValueError, name, f"device {cache.device}", scale.device)
+    if scale.numel() == 1:
+        return "per_tensor"
+    if tuple(scale.shape) == tuple(cache.shape[:3]):
+        return "per_token"
+    layout_shape = "[num_pages, page_size, num_kv_heads]"
+    if kv_layout == "HND":
+        layout_shape = "[num_pages, num_kv_heads, page_size]"
+    _fail(
+        ValueError,
+        name,
+        f"one element (per tensor) or shape {tuple(cache.shape[:3])} = {layout_shape} (per token)",
+        tuple(scale.shape),
+    )
+    return None  # unreachable
+
+
+def check_decode_args(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    *,
+    plan,
+    sm_scale,
+    k_scale,
+    v_scale,
+    kv_layout,
+    sliding_window,
+    out,
+) -> DecodeShape:
+    """Checks :func:`pagedattn.paged_decode`'s arguments; returns the decoded shape."""
+    if kv_layout not in KV_LAYOUTS:
+        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    batch = check_seq_lens(seq_lens)
+    _tensor("q", q, 3, Q_DTYPES)
+    _tensor("k_cache", k_cache, 4, KV_DTYPES)
+    _tensor("v_cache", v_cache, 4, KV_DTYPES)
+    if v_cache.dtype != k_cache.dtype:
+        _fail(TypeError, "v_cache", f"dtype {k_cache.dtype} (k_cache's)", v_cache.dtype)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        _fail(
+            ValueError, "v_cache", f"shape {tuple(k_cache.shape)} (k_cache's)", tuple(v_cache.shape)
+        )
+    if k_cache.dtype != torch.float8_e4m3fn and k_cache.dtype != q.dtype:
+        _fail(TypeError, "k_cache", f"dtype {q.dtype} (q's) or float8_e4m3fn", k_cache.dtype)
+    _tensor("block_table", block_table, 2, (torch.int32,))
+    for name, t in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+    ):
+        if t.device != q.device:
+            _fail(ValueError, name, f"device {q.device} (q's)", t.device)
+
+    if kv_layout == "NHD":
+        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    else:
+        num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
+    num_tokens, num_q_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim:
+        _fail(ValueError, "q", f"head_dim {head_dim} (the cache's)", q_head_dim)
+    if head_dim not in HEAD_DIMS:
+        _fail(ValueError, "head_dim", f"one of {HEAD_DIMS}", head_dim)
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        _fail(
+            ValueError,
+            "q",
+            f"num_q_heads a multiple of the cache's num_kv_heads={num_kv_heads} "
+            f"(kv_layout={kv_layout!r})",
+            num_q_heads,
+        )
+    if not _is_pow2(page_size) or page_size > MAX_PAGE_SIZE:
+        _fail(
+            ValueError,
+            "k_cache",
+            f"page_size a power of two in 1..{MAX_PAGE_SIZE} (kv_layout={kv_layout!r})",
+            page_size,
+        )
+    if block_table.shape[0] != batch:
+        _fail(ValueError, "block_table", f"{batch} rows (seq_lens' batch)", block_table.shape[0])
+    if batch == 0:
+        if num_tokens != 0:
+            _fail(ValueError, "q", "0 rows for an empty batch", num_tokens)
+        query_len = plan.query_len if plan is not None else 1
+    else:
+        if num_tokens % batch or num_tokens == 0:
+            _fail(ValueError, "q", f"batch * query_len rows with batch={batch}", num_tokens)
+        query_len = num_tokens // batch
+    rows = query_len * (num_q_heads // num_kv_heads)
+    if rows > MAX_ROWS:
+        _fail(
+            ValueError,
+            "q",
+            f"query_len * (num_q_heads // num_kv_heads) <= {MAX_ROWS}",
+            f"{query_len} * {num_q_heads // num_kv_heads} = {rows}",
+        )
+
+    k_mode = _scale_mode("k_scale", k_scale, k_cache, kv_layout)
+    v_mode = _scale_mode("v_scale", v_scale, v_cache, kv_layout)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if k_mode is None or v_mode is None:
+            _fail(ValueError, "k_scale/v_scale", "both given for an FP8 cache", "None")
+        if k_mode != v_mode:
+            _fail(ValueError, "v_scale", f"the same mode as k_scale ({k_mode})", v_mode)
+    elif k_mode is not None or v_mode is not None:
+        _fail(ValueError, "k_scale/v_scale", f"None for a {k_cache.dtype} cache", "a tensor")
+
+    if sm_scale is not None:
+        if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
+            _fail(TypeError, "sm_scale", "a float", type(sm_scale).__name__)
+        if not (math.isfinite(sm_scale) and sm_scale > 0):
+            _fail(ValueError, "sm_scale", "a finite float > 0", sm_scale)
+    if sliding_window is not None:
+        _positive_int("sliding_window", sliding_window)
+
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            _fail(TypeError, "out", "a torch.Tensor", type(out).__name__)
+        if tuple(out.shape) != tuple(q.shape):
+            _fail(ValueError, "out", f"shape {tuple(q.shape)} (q's)", tuple(out.shape))
+        if out.dtype not in (q.dtype, torch.float32):
+            _fail(TypeError, "out", f"dtype {q.dtype} (q's) or float32", out.dtype)
+        if out.device != q.device:
+            _fail(ValueError, "out", f"device {q.device} (q's)", out.device)
+        if out.stride(-1) != 1:
+            _fail(ValueError, "out", "a unit stride on head_dim", out.stride())
+
+    shape = DecodeShape(
+        batch=batch,
+        query_len=query_len,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_pages_per_seq=block_table.shape[1],
+        kv_dtype=k_cache.dtype,
+        kv_scale=k_mode,
+    )
+    if plan is not None:
+        check_plan_matches(plan, shape, q.device)
+    return shape
+
+
+def check_plan_matches(plan, shape: DecodeShape, device: torch.device) -> None:
+    """A plan must have been made for exactly this step's shape."""
+    for field in (
+        "batch",
+        "query_len",
+        "num_q_heads",
+        "num_kv_heads",
+        "head_dim",
+        "page_size",
+        "kv_dtype",
+        "kv_scale",
+    ):
+        want, got = getattr(shape, field), getattr(plan, field)
+        if want != got:
+            _fail(ValueError, "plan", f"{field}={want!r} (from the inputs)", f"{field}={got!r}")
+    if plan.device != device:
+        _fail(ValueError, "plan", f"device {device} (q's)", plan.device)
+
+
+def check_values(block_table: torch.Tensor, seq_lens: torch.Tensor, shape: DecodeShape) -> None:
+    """Checks that need the values (copies them to the host): ``paged_decode(debug=True)``."""
+    lens = seq_lens.cpu()
+    if shape.batch == 0:
+        return
+    low = int(lens.min())
+    if low < shape.query_len:
+        b = int(torch.argmin(lens))
+        _fail(
+            ValueError,
+            "seq_lens",
+            f"every value >= query_len={shape.query_len}",
+            f"seq_lens[{b}]={low}",
+        )
+    capacity = shape.max_pages_per_seq * shape.page_size
+    high = int(lens.max())
+    if high > capacity:
+        b = int(torch.argmax(lens))
+        _fail(
+            ValueError,
+            "seq_lens",
+            f"every value <= block_table capacity {shape.max_pages_per_seq} pages x "
+            f"page_size {shape.page_size} = {capacity}",
+            f"seq_lens[{b}]={high}",
+        )
+    table = block_table.cpu()
+    pages = (lens.to(torch.int64) + shape.page_size - 1) // shape.page_size
+    used = torch.arange(table.shape[1])[None, :] < pages[:, None]
+    ids = table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shape.num_pages):
+        bad = used & ((table < 0) | (table >= shape.num_pages))
+        b, j = (int(i) for i in bad.nonzero()[0])
+        _fail(
+            ValueError,
+            "block_table",
+            f"page ids in 0..{shape.num_pages - 1} for every page a sequence uses",
+            f"block_table[{b}, {j}]={int(table[b, j])}",
+        )

@@ -1,0 +1,222 @@
+"""The decode plan: the work list a persistent decode kernel walks, and its NumPy twin.
+
+A :class:`DecodePlan` holds device tensors only. All of its sizes follow from the batch size,
+the program count, the query length and the head counts, never from a value read back from
+the GPU, so making a plan never syncs and a whole decode step can be captured in a CUDA graph
+and replayed with new ``seq_lens``.
+
+Record layouts (int32, all views of one buffer ``plan.metadata``):
+
+``work_indptr[num_programs + 1]``
+    Works of program ``p`` are rows ``work_indptr[p] : work_indptr[p + 1]`` of ``works``.
+``works[max_works, 8]``
+    ``(program, seq, kv_head, q_head_start, q_head_end, token_start, token_end, partial_slot)``:
+    program ``program`` attends query heads ``q_head_start:q_head_end`` (all query heads of
+    ``kv_head``) of sequence ``seq`` over KV tokens ``token_start:token_end``.
+    ``partial_slot`` is -1 when the work covers its whole sequence (it writes ``out``),
+    else the row of ``partial_out`` / ``partial_lse`` it writes.
+``reduces[max_reduces, 4]``
+    ``(seq, kv_head, first_slot, num_slots)`` per cut (sequence, kv head): its partials are
+    slots ``first_slot : first_slot + num_slots`` in token order; the merged result goes to
+    ``out`` rows of ``seq``, heads of ``kv_head``. ``seq == -1`` marks an unused record.
+
+Partial buffers (float32): ``partial_out[max_partials, query_len * group, head_dim]`` and
+``partial_lse[max_partials, query_len * group]`` (LSE in log2 units; -inf for a row that saw
+no key in its range, which causal masking or a sliding window can cause).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+WORK_FIELDS = 8
+REDUCE_FIELDS = 4
+
+
+class WorkItem(NamedTuple):
+    program: int
+    seq: int
+    kv_head: int
+    token_start: int
+    token_end: int
+    partial_slot: int
+
+
+def plan_sizes(batch: int, num_programs: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """Upper bounds ``(max_works, max_partials, max_reduces)`` from host-known sizes only.
+
+    Per KV head, ``programs_per_head - 1`` range boundaries each cut at most one sequence once:
+    works <= batch + boundaries; cut pieces <= 2 * boundaries; cut sequences <= boundaries.
+    """
+    per_head = num_programs // num_kv_heads
+    boundaries = per_head - 1
+    max_works = num_kv_heads * (batch + boundaries)
+    max_partials = num_kv_heads * 2 * boundaries
+    max_reduces = num_kv_heads * min(batch, boundaries)
+    return max_works, max_partials, max_reduces
+
+
+@dataclasses.dataclass
+class DecodePlan:
+    """Work list, reduce maps and partial buffers for one decode step (device tensors).
+
+    Made by :func:`pagedattn.plan_decode`; reuse it for every layer of the step. The fields
+    after ``metadata`` are views of it (see the module docstring for the record layouts).
+    """
+
+    batch: int
+    query_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    kv_dtype: torch.dtype
+    kv_scale: str | None
+    num_programs: int
+    partition_size: int
+    metadata: torch.Tensor  # int32, all records below
+    work_indptr: torch.Tensor  # [num_programs + 1]
+    works: torch.Tensor  # [max_works, 8]
+    reduces: torch.Tensor  # [max_reduces, 4]
+    partial_out: torch.Tensor  # float32 [max_partials, query_len * group, head_dim]
+    partial_lse: torch.Tensor  # float32 [max_partials, query_len * group]
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def device(self) -> torch.device:
+        return self.metadata.device
+
+    def work_items(self) -> list[WorkItem]:
+        """The work list as host-side named tuples (copies to the host: for tests and debugging)."""
+        indptr = self.work_indptr.cpu().numpy()
+        works = self.works[: int(indptr[-1])].cpu().numpy()
+        return [
+            WorkItem(int(w[0]), int(w[1]), int(w[2]), int(w[5]), int(w[6]), int(w[7]))
+            for w in works
+        ]
+
+    def reduce_items(self) -> list[tuple[int, int, int, int]]:
+        """Used reduce records ``(seq, kv_head, first_slot, num_slots)`` (copies to the host)."""
+        reduces = self.reduces.cpu().numpy()
+        return [tuple(int(x) for x in r) for r in reduces if r[0] >= 0]
+
+
+def allocate_plan(
+    *,
+    batch: int,
+    query_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    kv_scale: str | None,
+    num_programs: int,
+    partition_size: int,
+    device: torch.device,
+) -> DecodePlan:
+    """Allocates a plan's buffers (contents undefined until the scheduler fills them)."""
+    max_works, max_partials, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
+    n_indptr = num_programs + 1
+    n_works = max_works * WORK_FIELDS
+    n_reduces = max_reduces * REDUCE_FIELDS
+    metadata = torch.empty(n_indptr + n_works + n_reduces, dtype=torch.int32, device=device)
+    work_indptr = metadata[:n_indptr]
+    works = metadata[n_indptr : n_indptr + n_works].view(max_works, WORK_FIELDS)
+    reduces = metadata[n_indptr + n_works :].view(max_reduces, REDUCE_FIELDS)
+    rows = query_len * (num_q_heads // num_kv_heads)
+    partial_out = torch.empty(max_partials, rows, head_dim, dtype=torch.float32, device=device)
+    partial_lse = torch.empty(max_partials, rows, dtype=torch.float32, device=device)
+    return DecodePlan(
+        batch=batch,
+        query_len=query_len,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
+        num_programs=num_programs,
+        partition_size=partition_size,
+        metadata=metadata,
+        work_indptr=work_indptr,
+        works=works,
+        reduces=reduces,
+        partial_out=partial_out,
+        partial_lse=partial_lse,
+    )
+
+
+def schedule_numpy(
+    seq_lens, *, num_programs: int, num_kv_heads: int, group: int, partition_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy twin of the GPU scheduler, written as a plain walk over programs.
+
+    Returns ``(work_indptr, works, reduces)`` with exactly the shapes and contents the GPU
+    kernel writes (``reduces`` padded with -1 rows); unused ``works`` rows are zero here and
+    undefined on the GPU, so compare only the first ``work_indptr[-1]`` rows.
+    """
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    batch = len(lens)
+    per_head = num_programs // num_kv_heads
+    max_works, _, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
+    parts = -(-lens // partition_size)
+    seq_first = np.concatenate([[0], np.cumsum(parts)])  # first partition of each sequence
+    total = int(seq_first[-1])
+    base, rem = divmod(total, per_head)
+    bounds = [i * base + min(i, rem) for i in range(per_head + 1)]
+
+    # One head's works in order: walk each program's range across sequences.
+    head_works = []  # (local program, seq, first partition, end partition)
+    for i in range(per_head):
+        lo, hi = bounds[i], bounds[i + 1]
+        b = int(np.searchsorted(seq_first, lo, side="right")) - 1
+        while lo < hi:
+            while seq_first[b + 1] <= lo:  # skip sequences with no partitions
+                b += 1
+            end = min(hi, int(seq_first[b + 1]))
+            head_works.append((i, b, lo, end))
+            lo = end
+    pieces = np.zeros(batch, dtype=np.int64)
+    for _, b, _, _ in head_works:
+        pieces[b] += 1
+
+    work_indptr = np.zeros(num_programs + 1, dtype=np.int32)
+    works = np.zeros((max_works, WORK_FIELDS), dtype=np.int32)
+    reduces = np.full((max_reduces, REDUCE_FIELDS), -1, dtype=np.int32)
+    w = 0
+    slot = 0
+    r = 0
+    for h in range(num_kv_heads):
+        for i in range(per_head):
+            work_indptr[h * per_head + i] = w
+            for prog, b, lo, hi in head_works:
+                if prog != i:
+                    continue
+                cut = pieces[b] > 1
+                if cut and lo == seq_first[b]:
+                    reduces[r] = (b, h, slot, pieces[b])
+                    r += 1
+                token_start = (lo - seq_first[b]) * partition_size
+                token_end = min((hi - seq_first[b]) * partition_size, lens[b])
+                works[w] = (
+                    h * per_head + i,
+                    b,
+                    h,
+                    h * group,
+                    (h + 1) * group,
+                    token_start,
+                    token_end,
+                    slot if cut else -1,
+                )
+                slot += int(cut)
+                w += 1
+    work_indptr[num_programs] = w
+    return work_indptr, works, reduces

@@ -1,0 +1,270 @@
+"""Float64 reference for paged-attention decode: the truth every kernel test compares against.
+
+The computation gathers, per sequence, only the pages it owns (and only the tokens below its
+length), dequantises them to float64 and runs a masked softmax attention. Nothing past
+``seq_lens[b]`` is ever read, so caches whose unowned slots hold NaN give finite outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["dequantize_kv", "paged_decode_torch"]
+
+KV_LAYOUTS = ("NHD", "HND")
+
+# Dtypes whose values mean nothing without a scale.
+_FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+def _check_scale(scale: torch.Tensor | None, cache: torch.Tensor, name: str) -> None:
+    if scale is None:
+        if cache.dtype in _FP8_DTYPES:
+            raise ValueError(f"{name}: an FP8 cache ({cache.dtype}) needs a scale, got None")
+        return
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(scale).__name__}")
+    if scale.numel() != 1 and tuple(scale.shape) != tuple(cache.shape[:-1]):
+        raise ValueError(
+            f"{name}: expected one element (per tensor) or shape {tuple(cache.shape[:-1])} "
+            f"(per token: the cache shape without head_dim), got shape {tuple(scale.shape)}"
+        )
+
+
+def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Return a KV cache (or any slice of one) as float64 values.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        Any shape ``[..., head_dim]``; bf16, fp16, float32, float64 or ``torch.float8_e4m3fn``.
+    scale : torch.Tensor or None
+        None (not allowed for FP8), a float32 tensor of one element (per tensor), or float32 of
+        shape ``cache.shape[:-1]`` (per token). When given it multiplies any dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        float64, ``cache.shape``, on ``cache.device``: ``cache.double() * scale``.
+    """
+    _check_scale(scale, cache, "scale")
+    values = cache.to(torch.float64)
+    if scale is None:
+        return values
+    scale = scale.to(device=cache.device, dtype=torch.float64)
+    if scale.numel() == 1:
+        return values * scale.reshape(())
+    return values * scale.unsqueeze(-1)
+
+
+def _gather_tokens(cache: torch.Tensor, pages: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """Pages ``pages`` of a cache (or a per-token scale) as token-major rows.
+
+    ``cache`` is ``[num_pages, page_size, H, ...]`` (NHD) or ``[num_pages, H, page_size, ...]``
+    (HND); the result is ``[len(pages) * page_size, H, ...]``, token order.
+    """
+    gathered = cache.index_select(0, pages)
+    if kv_layout == "HND":
+        gathered = gathered.transpose(1, 2)
+    return gathered.reshape(-1, *gathered.shape[2:])
+
+
+def _load_tokens(cache, scale, pages, tokens: slice, kv_layout: str) -> torch.Tensor:
+    """Tokens ``tokens`` of the concatenated ``pages``, dequantised: ``[S, H, head_dim]`` f64."""
+    values = _gather_tokens(cache, pages, kv_layout)[tokens]
+    if scale is not None and scale.numel() != 1:
+        scale = _gather_tokens(scale.to(cache.device), pages, kv_layout)[tokens]
+    return dequantize_kv(values, scale)
+
+
+def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, kv_layout, window):
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
+    for name, tensor, ndim in (
+        ("q", q, 3),
+        ("k_cache", k_cache, 4),
+        ("v_cache", v_cache, 4),
+        ("block_table", block_table, 2),
+        ("seq_lens", seq_lens, 1),
+    ):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != ndim:
+            raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(tensor.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, "
+            f"got {tuple(v_cache.shape)}"
+        )
+    num_kv_heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"k_cache: expected head_dim {head_dim} (from q), got {k_cache.shape[3]} "
+            f"(shape {tuple(k_cache.shape)}, layout {kv_layout})"
+        )
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+            f"({num_kv_heads}, from k_cache with layout {kv_layout})"
+        )
+    batch = seq_lens.shape[0]
+    if batch == 0:
+        if q.shape[0] != 0:
+            raise ValueError(f"q: expected 0 rows for an empty batch, got {q.shape[0]}")
+    elif q.shape[0] == 0 or q.shape[0] % batch != 0:
+        raise ValueError(
+            f"q: expected batch * query_len rows with batch = {batch} (seq_lens) and "
+            f"query_len >= 1, got {q.shape[0]} rows"
+        )
+    if block_table.shape[0] != batch:
+        raise ValueError(
+            f"block_table: expected {batch} rows (one per sequence), got {block_table.shape[0]}"
+        )
+    if block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
+        raise TypeError(f"block_table: expected an integer dtype, got {block_table.dtype}")
+    if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool:
+        raise TypeError(f"seq_lens: expected an integer dtype, got {seq_lens.dtype}")
+    _check_scale(k_scale, k_cache, "k_scale")
+    _check_scale(v_scale, v_cache, "v_scale")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise TypeError(f"sliding_window: expected an int or None, got {type(window).__name__}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window: expected >= 1 or None, got {window}")
+
+
+def paged_decode_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    kv_layout: str = "NHD",
+    sliding_window: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Paged-attention decode in float64: the single source of truth for tests and benchmarks.
+
+    Query token ``i`` of sequence ``b`` sits at position ``p = seq_lens[b] - query_len + i`` and
+    attends keys ``0..p`` (``max(0, p - sliding_window + 1)..p`` with a window). Query head
+    ``h`` uses KV head ``h // (num_q_heads // num_kv_heads)``. Reads only the pages each
+    sequence owns and only tokens below its length, so NaN in unowned slots never enters.
+    Syncs with the host (reads ``seq_lens``); computes on the tensors' own device.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[batch * query_len, num_q_heads, head_dim]``; bf16, fp16, float32 or float64. Rows of
+        one sequence are consecutive.
+    k_cache, v_cache : torch.Tensor
+        ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+        ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), any strides (may be views of
+        one tensor); bf16, fp16, float32 or ``torch.float8_e4m3fn``.
+    block_table : torch.Tensor
+        ``[batch, max_pages_per_seq]`` int32; token ``t`` of sequence ``b`` is in page
+        ``block_table[b, t // page_size]``, slot ``t % page_size``. Columns past a sequence's
+        pages are never read.
+    seq_lens : torch.Tensor
+        ``[batch]`` int32; tokens in the cache per sequence, including the ``query_len`` new
+        ones; ``seq_lens[b] >= query_len``.
+    sm_scale : float, optional
+        Softmax scale; default ``head_dim ** -0.5``.
+    k_scale, v_scale : torch.Tensor, optional
+        None (not for FP8), float32 of one element (per tensor), or float32 of the cache shape
+        without ``head_dim`` (per token). Dequantised value = ``cache.double() * scale``.
+    kv_layout : {"NHD", "HND"}
+        Cache layout.
+    sliding_window : int, optional
+        Keys within ``sliding_window`` positions of the query (itself included); >= 1.
+    return_lse : bool
+        Also return the log-sum-exp of the scaled scores.
+
+    Returns
+    -------
+    out : torch.Tensor
+        float64 ``[batch * query_len, num_q_heads, head_dim]`` on ``q.device``.
+    lse : torch.Tensor
+        Only with ``return_lse``: float64 ``[batch * query_len, num_q_heads]``, natural log of
+        the sum of ``exp(sm_scale * q . k)`` over the attended keys.
+    """
+    _validate(
+        q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, kv_layout, sliding_window
+    )
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if kv_layout == "NHD":
+        num_pages, page_size, num_kv_heads = k_cache.shape[:3]
+    else:
+        num_pages, num_kv_heads, page_size = k_cache.shape[:3]
+    group = num_q_heads // num_kv_heads
+    batch = seq_lens.shape[0]
+    query_len = q.shape[0] // batch if batch else 0
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+
+    device = k_cache.device
+    lengths = [int(n) for n in seq_lens.tolist()]
+    max_pages = block_table.shape[1]
+    for b, n in enumerate(lengths):
+        if n < query_len:
+            raise ValueError(
+                f"seq_lens: expected every length >= query_len ({query_len}), "
+                f"got seq_lens[{b}] = {n}"
+            )
+        if math.ceil(n / page_size) > max_pages:
+            raise ValueError(
+                f"block_table: sequence {b} (length {n}) needs {math.ceil(n / page_size)} pages "
+                f"of {page_size}, the table has {max_pages} columns"
+            )
+    table = block_table.to(device=device, dtype=torch.long)
+    # Check only the columns that are read: padding may hold anything.
+    owned_pages = torch.tensor([math.ceil(n / page_size) for n in lengths], device=device)
+    owned = torch.arange(max_pages, device=device) < owned_pages.unsqueeze(1)
+    used_ids = table[owned]
+    if used_ids.numel() and (used_ids.min() < 0 or used_ids.max() >= num_pages):
+        raise ValueError(
+            f"block_table: expected page ids in [0, {num_pages}) in the columns the sequences "
+            f"use, got min {int(used_ids.min())}, max {int(used_ids.max())}"
+        )
+
+    out = torch.empty(
+        batch * query_len, num_q_heads, head_dim, dtype=torch.float64, device=q.device
+    )
+    lse = torch.empty(batch * query_len, num_q_heads, dtype=torch.float64, device=q.device)
+    offsets = torch.arange(query_len, device=device)
+    for b, n in enumerate(lengths):
+        # Earliest key any of this sequence's queries attends; pages before it are skipped.
+        first_key = 0 if sliding_window is None else max(0, n - query_len - sliding_window + 1)
+        first_page = first_key // page_size
+        pages = table[b, first_page : math.ceil(n / page_size)]
+        start, stop = first_key - first_page * page_size, n - first_page * page_size
+        tokens = slice(start, stop)
+        keys = _load_tokens(k_cache, k_scale, pages, tokens, kv_layout)  # [S, Hkv, head_dim]
+        values = _load_tokens(v_cache, v_scale, pages, tokens, kv_layout)
+        rows = slice(b * query_len, (b + 1) * query_len)
+        queries = q[rows].to(device=device, dtype=torch.float64)
+        queries = queries.reshape(query_len, num_kv_heads, group, head_dim)
+
+        scores = torch.einsum("lkgd,skd->kgls", queries, keys) * sm_scale
+        positions = n - query_len + offsets  # [L]
+        key_positions = torch.arange(first_key, n, device=device)  # [S]
+        allowed = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
+        if sliding_window is not None:
+            allowed &= key_positions.unsqueeze(0) > (positions - sliding_window).unsqueeze(1)
+        scores.masked_fill_(~allowed, float("-inf"))
+        # Every query attends at least its own position, so no row is all -inf.
+        seq_lse = torch.logsumexp(scores, dim=-1)  # [num_kv_heads, group, L]
+        probs = torch.exp(scores - seq_lse.unsqueeze(-1))
+        seq_out = torch.einsum("kgls,skd->lkgd", probs, values)
+        out[rows] = seq_out.reshape(query_len, num_q_heads, head_dim).to(q.device)
+        lse[rows] = seq_lse.permute(2, 0, 1).reshape(query_len, num_q_heads).to(q.device)
+    return (out, lse) if return_lse else out
