@@ -97,12 +97,15 @@ def plan_decode(
         partition_size=partition_size,
     )
     if reuse is not None:
-        mismatch = [k for k, v in sizes.items() if getattr(reuse, k) != v]
-        if mismatch or reuse.device != device:
-            raise ValueError(
-                f"reuse: expected a plan made for {sizes} on {device}, got one that differs in "
-                f"{mismatch or ['device']}"
-            )
+        if not isinstance(reuse, DecodePlan):
+            raise TypeError(f"reuse: expected a DecodePlan, got {type(reuse).__name__}")
+        expected = {**sizes, "device": device}
+        got = {k: getattr(reuse, k) for k in expected}
+        diff = {k: (v, got[k]) for k, v in expected.items() if got[k] != v}
+        if diff:
+            want = ", ".join(f"{k}={v[0]!r}" for k, v in diff.items())
+            have = ", ".join(f"{k}={v[1]!r}" for k, v in diff.items())
+            raise ValueError(f"reuse: expected a plan made for {want}, got one with {have}")
         plan = reuse
     else:
         plan = allocate_plan(device=device, **sizes)
@@ -271,7 +274,7 @@ def paged_decode(
         v_scale_arg,
         *_scale_strides(v_scale, kv_layout),
         block_table,
-        block_table.stride(0),
+        *block_table.stride(),
         seq_lens,
         plan.work_indptr,
         plan.works,

@@ -74,6 +74,10 @@ def _names(dtypes) -> str:
 def check_seq_lens(seq_lens) -> int:
     """Checks ``seq_lens`` ([batch] int32) and returns the batch size."""
     _tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    if seq_lens.shape[0] > 1 and seq_lens.stride(0) != 1:
+        _fail(
+            ValueError, "seq_lens", "a contiguous tensor (stride 1)", f"stride {seq_lens.stride(0)}"
+        )
     return seq_lens.shape[0]
 
 
@@ -151,6 +155,8 @@ def check_kv_dtype_scale(kv_dtype, kv_scale) -> None:
 def _scale_mode(name: str, scale, cache: torch.Tensor, kv_layout: str) -> str | None:
     if scale is None:
         return None
+    if not isinstance(scale, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(scale).__name__)
     _tensor(name, scale, scale.dim(), (torch.float32,))
     if scale.device != cache.device:
         _fail(ValueError, name, f"device {cache.device}", scale.device)
@@ -219,7 +225,7 @@ def check_decode_args(
         _fail(ValueError, "q", f"head_dim {head_dim} (the cache's)", q_head_dim)
     if head_dim not in HEAD_DIMS:
         _fail(ValueError, "head_dim", f"one of {HEAD_DIMS}", head_dim)
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
         _fail(
             ValueError,
             "q",
@@ -266,7 +272,11 @@ def check_decode_args(
     if sm_scale is not None:
         if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
             _fail(TypeError, "sm_scale", "a float", type(sm_scale).__name__)
-        if not (math.isfinite(sm_scale) and sm_scale > 0):
+        try:
+            finite = math.isfinite(float(sm_scale))
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not (finite and sm_scale > 0):
             _fail(ValueError, "sm_scale", "a finite float > 0", sm_scale)
     if sliding_window is not None:
         _positive_int("sliding_window", sliding_window)
@@ -302,6 +312,10 @@ def check_decode_args(
 
 def check_plan_matches(plan, shape: DecodeShape, device: torch.device) -> None:
     """A plan must have been made for exactly this step's shape."""
+    from .plan import DecodePlan
+
+    if not isinstance(plan, DecodePlan):
+        _fail(TypeError, "plan", "a DecodePlan", type(plan).__name__)
     for field in (
         "batch",
         "query_len",

@@ -8,6 +8,7 @@ length), dequantises them to float64 and runs a masked softmax attention. Nothin
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -133,7 +134,9 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, kv_l
         raise TypeError(f"seq_lens: expected an integer dtype, got {seq_lens.dtype}")
     _check_scale(k_scale, k_cache, "k_scale")
     _check_scale(v_scale, v_cache, "v_scale")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, numbers.Integral)
+    ):
         raise TypeError(f"sliding_window: expected an int or None, got {type(window).__name__}")
     if window is not None and window < 1:
         raise ValueError(f"sliding_window: expected >= 1 or None, got {window}")

@@ -50,6 +50,7 @@ def _decode_kernel(
     stride_vs_head,
     block_table_ptr,  # [batch, max_pages] int32
     stride_bt,
+    stride_bt_col,
     seq_lens_ptr,  # [batch] int32
     work_indptr_ptr,  # [num_programs + 1] int32
     works_ptr,  # [max_works, 8] int32
@@ -137,12 +138,14 @@ def _decode_kernel(
             tok_ok = tok < token_end
             # -- locate the tile's tokens in the paged cache (int64: caches pass 2^31 bytes) --
             if PAGE_SIZE >= BLOCK_N:
-                page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
+                page = tl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col).to(tl.int64)
                 slot_in_page = tok % PAGE_SIZE
                 k_off = page * stride_k_page + slot_in_page * stride_k_slot
                 v_off = page * stride_v_page + slot_in_page * stride_v_slot
             else:
-                page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_ok, other=0).to(tl.int64)
+                page = tl.load(
+                    bt_row + (tok // PAGE_SIZE) * stride_bt_col, mask=tok_ok, other=0
+                ).to(tl.int64)
                 slot_in_page = tok % PAGE_SIZE
                 k_off = page * stride_k_page + slot_in_page * stride_k_slot
                 v_off = page * stride_v_page + slot_in_page * stride_v_slot

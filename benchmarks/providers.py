@@ -1,0 +1,329 @@
+"""Every implementation the benchmark runs, registered in one place: :data:`PROVIDERS`.
+
+A provider says whether it can run here (``available``) and on a case (``supports``), and
+``prepare(inputs)`` returns a :class:`Prepared`: called with one KV copy it gives the zero-arg
+step function that is timed, and it carries the host time of any planning done outside the
+timed region (``plan_host_us``).
+
+- ``pagedattn``: the whole step, ``plan_decode`` + ``paged_decode`` (our plan runs on the GPU
+  and is graph-capturable, so it belongs inside the timed step).
+- ``pagedattn-decode``: ``paged_decode`` alone with a precomputed plan.
+- ``flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) for query_len 1,
+  ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for query_len > 1, both in CUDA-graph mode;
+  ``plan()`` (host work plus a sync) runs outside the timed region and is reported apart.
+- ``torch-reference``: the float64 truth every output is checked against; never timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import pagedattn
+from pagedattn.reference import paged_decode_torch
+
+from .cases import KV_DTYPES, Q_DTYPES, Case
+
+PLAN_SAMPLES = 7  # host-time samples of a plan() call; the median is reported
+# FlashInfer's split-KV partial results live in this buffer; its prefill path under CUDA graphs
+# overflowed 256 MB at batch >= 16 and worked with 8 GiB (PEERS.md).
+FLASHINFER_WORKSPACE_BYTES = 8 * 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCopy:
+    """One copy of the KV cache (with its scales) for the timing rotation."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Everything a provider needs for one case; ``copies[0]`` is the cache the reference saw."""
+
+    case: Case
+    q: torch.Tensor  # [batch * query_len, num_q_heads, head_dim]
+    block_table: torch.Tensor  # int32 [batch, max_pages_per_seq]
+    seq_lens: torch.Tensor  # int32 [batch]
+    copies: list[KVCopy]
+    kv_layout: str = "NHD"
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+@dataclasses.dataclass
+class Prepared:
+    """``prepared(copy)`` -> a zero-arg step over that KV copy returning the output tensor."""
+
+    make_step: Callable[[KVCopy], Callable[[], torch.Tensor]]
+    plan_host_us: float | None = None
+    note: str = ""
+
+    def __call__(self, copy: KVCopy) -> Callable[[], torch.Tensor]:
+        return self.make_step(copy)
+
+
+def host_time_us(fn: Callable[[], Any], samples: int = PLAN_SAMPLES) -> float:
+    """Median host wall time of ``fn()`` in microseconds (what the CPU spends; not GPU time)."""
+    times = []
+    for _ in range(samples):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+class Provider:
+    """Base: always available, supports every case, timed."""
+
+    name = ""
+    is_peer = False  # a peer is what ours is compared with (ratio_vs_<peer> columns)
+    timed = True
+
+    def available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def version(self) -> str:
+        return ""
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        return True, ""
+
+    def prepare(self, inputs: Inputs) -> Prepared:
+        raise NotImplementedError
+
+
+class PagedAttnProvider(Provider):
+    """Ours; ``with_plan`` times plan + decode, else decode with a precomputed plan."""
+
+    is_peer = False
+
+    def __init__(self, name: str, *, with_plan: bool):
+        self.name = name
+        self.with_plan = with_plan
+
+    def version(self) -> str:
+        return pagedattn.__version__
+
+    def prepare(self, inputs: Inputs) -> Prepared:
+        case = inputs.case
+        plan_args = dict(
+            num_q_heads=case.num_q_heads,
+            num_kv_heads=case.num_kv_heads,
+            head_dim=case.head_dim,
+            page_size=case.page_size,
+            query_len=case.query_len,
+            kv_dtype=KV_DTYPES[case.kv_dtype],
+            kv_scale=case.kv_scale,
+        )
+        seq_lens, q, table = inputs.seq_lens, inputs.q, inputs.block_table
+        plan = pagedattn.plan_decode(seq_lens, **plan_args)
+        out = torch.empty_like(q)
+
+        def replan():
+            return pagedattn.plan_decode(seq_lens, **plan_args, reuse=plan)
+
+        def make_step(copy: KVCopy) -> Callable[[], torch.Tensor]:
+            def decode() -> torch.Tensor:
+                return pagedattn.paged_decode(
+                    q,
+                    copy.k_cache,
+                    copy.v_cache,
+                    table,
+                    seq_lens,
+                    plan=plan,
+                    k_scale=copy.k_scale,
+                    v_scale=copy.v_scale,
+                    kv_layout=inputs.kv_layout,
+                    out=out,
+                )
+
+            if not self.with_plan:
+                return decode
+
+            def step() -> torch.Tensor:
+                replan()
+                return decode()
+
+            return step
+
+        replan()  # compile the scheduler before its host time is taken
+        return Prepared(make_step, plan_host_us=host_time_us(replan))
+
+
+class FlashInferProvider(Provider):
+    """FlashInfer's paged decode / prefill wrappers, imported only when used."""
+
+    name = "flashinfer"
+    is_peer = True
+
+    def __init__(self):
+        self._workspace: torch.Tensor | None = None
+
+    def _module(self):
+        import flashinfer
+
+        return flashinfer
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            self._module()
+        except ImportError as exc:
+            return False, f"flashinfer not installed ({exc})"
+        except Exception as exc:  # a broken install must not stop the others
+            return False, f"flashinfer failed to import: {type(exc).__name__}: {exc}"
+        return True, ""
+
+    def version(self) -> str:
+        try:
+            return str(self._module().__version__)
+        except Exception:
+            return ""
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        if case.kv_scale == "per_token":
+            return False, "unsupported: FlashInfer takes per-tensor FP8 scales only"
+        return True, ""
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        """One zeroed float workspace, reused by every wrapper (one case runs at a time)."""
+        if self._workspace is None or self._workspace.device != device:
+            self._workspace = None
+            self._workspace = torch.zeros(
+                FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device
+            )
+        return self._workspace
+
+    def prepare(self, inputs: Inputs) -> Prepared:
+        flashinfer = self._module()
+        case = inputs.case
+        device = inputs.device
+        page_size = case.page_size
+        kv_indptr, kv_indices = pagedattn.block_table_to_indptr(
+            inputs.block_table, inputs.seq_lens, page_size
+        )
+        last_page_len = ((inputs.seq_lens - 1) % page_size + 1).to(torch.int32)
+        q_dtype, kv_dtype = Q_DTYPES[case.q_dtype], KV_DTYPES[case.kv_dtype]
+        shape = (case.num_q_heads, case.num_kv_heads, case.head_dim, page_size)
+        types = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype)
+        workspace = self.workspace(device)
+        graph_buffers = dict(
+            paged_kv_indptr_buf=torch.empty_like(kv_indptr),
+            paged_kv_indices_buf=torch.empty_like(kv_indices),
+            paged_kv_last_page_len_buf=torch.empty_like(last_page_len),
+        )
+        if case.query_len == 1:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace,
+                inputs.kv_layout,
+                use_cuda_graph=True,
+                use_tensor_cores=True,  # the CUDA-core path rejects 16 q heads per KV head
+                paged_kv_indptr_buffer=graph_buffers["paged_kv_indptr_buf"],
+                paged_kv_indices_buffer=graph_buffers["paged_kv_indices_buf"],
+                paged_kv_last_page_len_buffer=graph_buffers["paged_kv_last_page_len_buf"],
+            )
+
+            def plan():
+                wrapper.plan(kv_indptr, kv_indices, last_page_len, *shape, **types)
+
+            kind = "decode (tensor cores)"
+        else:
+            qo_indptr = torch.arange(
+                0,
+                (case.batch + 1) * case.query_len,
+                case.query_len,
+                dtype=torch.int32,
+                device=device,
+            )
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace,
+                inputs.kv_layout,
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.empty_like(qo_indptr),
+                **graph_buffers,
+            )
+
+            def plan():
+                wrapper.plan(
+                    qo_indptr, kv_indptr, kv_indices, last_page_len, *shape, causal=True, **types
+                )
+
+            kind = "prefill (causal)"
+        plan()  # JIT-compiles the module on first use
+        plan_host_us = host_time_us(plan)
+        out = torch.empty_like(inputs.q)
+
+        def make_step(copy: KVCopy) -> Callable[[], torch.Tensor]:
+            scales = {}
+            if copy.k_scale is not None:
+                # Python floats: FlashInfer folds k_scale into sm_scale and multiplies by
+                # v_scale after the kernel. .item() syncs, so it happens here, not in the step.
+                scales = dict(
+                    k_scale=float(copy.k_scale.item()), v_scale=float(copy.v_scale.item())
+                )
+            kv = (copy.k_cache, copy.v_cache)
+
+            def step() -> torch.Tensor:
+                return wrapper.run(inputs.q, kv, out=out, **scales)
+
+            return step
+
+        return Prepared(make_step, plan_host_us=plan_host_us, note=kind)
+
+
+class ReferenceProvider(Provider):
+    """The float64 reference: correctness only, never timed."""
+
+    name = "torch-reference"
+    timed = False
+
+    def prepare(self, inputs: Inputs) -> Prepared:
+        def make_step(copy: KVCopy) -> Callable[[], torch.Tensor]:
+            def step() -> torch.Tensor:
+                return paged_decode_torch(
+                    inputs.q,
+                    copy.k_cache,
+                    copy.v_cache,
+                    inputs.block_table,
+                    inputs.seq_lens,
+                    k_scale=copy.k_scale,
+                    v_scale=copy.v_scale,
+                    kv_layout=inputs.kv_layout,
+                )
+
+            return step
+
+        return Prepared(make_step)
+
+
+PROVIDERS: dict[str, Provider] = {
+    p.name: p
+    for p in (
+        PagedAttnProvider("pagedattn", with_plan=True),
+        PagedAttnProvider("pagedattn-decode", with_plan=False),
+        FlashInferProvider(),
+        ReferenceProvider(),
+    )
+}
+REFERENCE = "torch-reference"
+
+
+def peers() -> list[str]:
+    """Names of the providers ours is compared with, in registry order."""
+    return [name for name, p in PROVIDERS.items() if p.is_peer]
+
+
+def ours() -> list[str]:
+    return [name for name, p in PROVIDERS.items() if not p.is_peer and p.timed]

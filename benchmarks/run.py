@@ -1,0 +1,445 @@
+"""The sweep: per case, a random paged cache; every provider checked against the float64
+reference; the correct ones timed; results written as CSV, markdown and plots; a summary last.
+
+Entry points: ``pagedattn bench`` / ``python -m pagedattn.bench`` (the command line lives in
+``pagedattn/bench.py``), or ``python -m benchmarks.run`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import traceback
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+import pagedattn
+
+from . import report
+from .cases import (
+    KV_DTYPES,
+    Q_DTYPES,
+    Case,
+    kv_bytes,
+    select_cases,
+    split_by_memory,
+)
+from .ceiling import Ceilings, measure_ceilings
+from .providers import PROVIDERS, REFERENCE, Inputs, KVCopy, Provider, ours, peers
+from .timing import MIN_REPLAYS, rotation_copies, time_steps
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# ‖out − ref‖ / ‖ref‖ against the float64 reference on the same (dequantised) cache.
+ERROR_BOUNDS = {"fp8": 2e-2, "bf16": 1e-2, "fp16": 1e-2}
+MAIN = "pagedattn"  # the provider the markdown compares with each peer
+COPY_MEMORY_SHARE = 0.5  # of free GPU memory, for the timing rotation's KV copies
+
+
+class UsageError(ValueError):
+    """A command-line value that makes no sense (reported without a traceback)."""
+
+
+# -- inputs --
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; inf when ``out`` holds NaN or infinity."""
+    out = out.double()
+    ref = ref.double().to(out.device)
+    if out.shape != ref.shape:
+        raise ValueError(f"output: expected shape {tuple(ref.shape)}, got {tuple(out.shape)}")
+    if not bool(torch.isfinite(out).all()):
+        return float("inf")
+    return float((out - ref).norm() / ref.norm())
+
+
+def make_cache(case: Case, device: torch.device, generator: torch.Generator | None = None):
+    """A random cache for ``case`` (every query length shares it), unowned slots made finite.
+
+    ``build_paged_cache`` fills slots no sequence owns with NaN, a trap for kernels that read
+    past a sequence's end (the tests' business). A serving cache holds stale finite values
+    there, and a kernel may load a whole tile and mask it afterwards, so for a fair speed test
+    those slots get finite values (1.0) here.
+    """
+    cache = pagedattn.build_paged_cache(
+        case.seq_lens(),
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        page_size=case.page_size,
+        kv_dtype=KV_DTYPES[case.kv_dtype],
+        kv_scale=case.kv_scale,
+        device=device,
+        generator=generator,
+    )
+    if any(n % case.page_size for n in case.seq_lens()):
+        for values in (cache.k_cache, cache.v_cache):
+            if case.kv_dtype == "fp8":
+                bits = values.view(torch.uint8)
+                bits.masked_fill_((bits & 0x7F) == 0x7F, 0x38)  # e4m3 NaN -> 1.0
+            else:
+                values.nan_to_num_(nan=1.0)
+        for scale in (cache.k_scale, cache.v_scale):
+            if scale is not None and scale.numel() > 1:
+                scale.nan_to_num_(nan=1.0)
+    return cache
+
+
+def make_copies(cache, count: int) -> list[KVCopy]:
+    """``count`` disjoint copies of the cache (the first is the cache itself)."""
+
+    def clone(t):
+        return None if t is None else t.clone()
+
+    first = KVCopy(cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)
+    return [first] + [
+        KVCopy(
+            clone(cache.k_cache), clone(cache.v_cache), clone(cache.k_scale), clone(cache.v_scale)
+        )
+        for _ in range(count - 1)
+    ]
+
+
+def cache_tensor_bytes(cache) -> int:
+    tensors = (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def make_inputs(case: Case, cache, copies: list[KVCopy], generator=None) -> Inputs:
+    device = cache.k_cache.device
+    q = torch.randn(
+        case.batch * case.query_len,
+        case.num_q_heads,
+        case.head_dim,
+        generator=generator,
+        device=device,
+    ).to(Q_DTYPES[case.q_dtype])
+    return Inputs(
+        case=case,
+        q=q,
+        block_table=cache.block_table,
+        seq_lens=cache.seq_lens,
+        copies=copies,
+        kv_layout=cache.kv_layout,
+    )
+
+
+def reference_output(inputs: Inputs) -> torch.Tensor:
+    return PROVIDERS[REFERENCE].prepare(inputs)(inputs.copies[0])()
+
+
+# -- one provider on one case --
+
+
+def check_and_time(
+    provider: Provider,
+    inputs: Inputs,
+    ref: torch.Tensor,
+    *,
+    time_it: bool = True,
+    replays: int = MIN_REPLAYS,
+    use_graph: bool = True,
+) -> dict:
+    """Row fields for one provider: skipped, WRONG (not timed), checked only, or timed."""
+    case = inputs.case
+    supported, why = provider.supports(case)
+    if not supported:
+        return {"method": f"skipped: {why}"}
+    prepared = provider.prepare(inputs)
+    out = prepared(inputs.copies[0])()
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    err = rel_error(out, ref)
+    bound = ERROR_BOUNDS[case.kv_dtype]
+    fields = {"rel_err": err, "plan_host_us": prepared.plan_host_us}
+    if not err <= bound:  # also catches NaN
+        fields["method"] = f"WRONG: rel_err {err:.3g} > {bound:g}, not timed"
+        return fields
+    if not time_it:
+        fields["method"] = "checked, not timed"
+        return fields
+    timing = time_steps([prepared(c) for c in inputs.copies], replays=replays, use_graph=use_graph)
+    fields.update(
+        us_p50=timing.us_p50,
+        us_p20=timing.us_p20,
+        us_p80=timing.us_p80,
+        method=timing.method + (f"; {prepared.note}" if prepared.note else ""),
+    )
+    return fields
+
+
+def case_fields(case: Case) -> dict:
+    return dict(
+        batch=case.batch,
+        context=case.context,
+        seq_lens=case.seq_lens_kind,
+        query_len=case.query_len,
+        kv_dtype=case.kv_dtype,
+        kv_scale=case.kv_scale or "",
+        page_size=case.page_size,
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        kv_mb=kv_bytes(case) / 1e6,
+    )
+
+
+def add_bandwidth(row: dict, case: Case, ceilings: Ceilings) -> None:
+    if row.get("us_p50") is None:
+        return
+    row["gbps"] = kv_bytes(case) / row["us_p50"] / 1e3  # bytes per µs -> GB/s
+    row["pct_read_ceiling"] = 100.0 * row["gbps"] / ceilings.read_gbps
+
+
+# -- the sweep --
+
+
+class _PlainProgress:
+    """What the sweep uses when tqdm is missing: one printed line per case."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        print(f"[{self.done}/{self.total}]", flush=True)
+
+    def set_postfix_str(self, text: str) -> None:
+        print(f"[{self.done}/{self.total}] {text}", flush=True)
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(total)
+    return tqdm(total=total, unit="case", mininterval=2.0, file=sys.stdout)
+
+
+def environment(ceilings: Ceilings | None) -> dict:
+    import triton
+
+    flashinfer_version = PROVIDERS["flashinfer"].version() if "flashinfer" in PROVIDERS else ""
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "pagedattn": pagedattn.__version__,
+        "flashinfer": flashinfer_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "read_ceiling_gbps": ceilings.read_gbps if ceilings else None,
+        "copy_ceiling_gbps": ceilings.copy_gbps if ceilings else None,
+    }
+
+
+def resolve_providers(spec: str | None) -> list[str]:
+    """Timed providers named in ``spec`` (comma-separated), default every timed one."""
+    timed = [name for name, p in PROVIDERS.items() if p.timed]
+    if not spec:
+        return timed
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in PROVIDERS]
+    if unknown:
+        raise UsageError(f"--providers: unknown {unknown}; known: {list(PROVIDERS)}")
+    untimed = [n for n in names if not PROVIDERS[n].timed]
+    if untimed:
+        print(f"note: {untimed} is the reference every output is checked against; never timed")
+    return [n for n in timed if n in names]
+
+
+def cases_from_args(args: argparse.Namespace) -> list[Case]:
+    try:
+        return select_cases(
+            args.preset,
+            batches=args.batch,
+            contexts=args.context,
+            query_lens=args.query_len,
+            kv_dtypes=args.kv_dtype,
+            page_sizes=args.page_size,
+            kv_scales=args.kv_scale,
+            ragged=args.ragged,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _grouped(cases: Sequence[Case]) -> list[tuple[Case, list[Case]]]:
+    """Cases grouped by the cache they share, in first-seen order."""
+    groups: dict[Case, list[Case]] = {}
+    for case in cases:
+        groups.setdefault(case.cache_key, []).append(case)
+    return list(groups.items())
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """Run the sweep the parsed command line asks for; 0 if every provider ran correctly."""
+    cases = cases_from_args(args)
+    cases, memory_notes = split_by_memory(cases, args.mem_cap_gb)
+    if args.list_cases:
+        for case in cases:
+            print(f"{case.describe()}  KV {kv_bytes(case) / 1e6:.1f} MB")
+        for note in memory_notes:
+            print(note)
+        print(f"{len(cases)} cases")
+        return 0
+    if not torch.cuda.is_available():
+        print(
+            "pagedattn bench: needs a CUDA GPU, and torch.cuda.is_available() is False "
+            "(--list-cases works without one)",
+            file=sys.stderr,
+        )
+        return 2
+    names = resolve_providers(args.providers)
+    runnable = []
+    for name in names:
+        ok, why = PROVIDERS[name].available()
+        if ok:
+            runnable.append(name)
+        else:
+            print(f"{name}: skipped: {why}")
+    for note in memory_notes:
+        print(note)
+    device = torch.device("cuda")
+    name = args.name or ("custom" if _custom(args) else args.preset)
+    out_dir = Path(args.out) if args.out else RESULTS_DIR
+    replays = max(args.repeats, MIN_REPLAYS)
+
+    print("measuring the read and copy ceilings ...", flush=True)
+    ceilings = measure_ceilings(device)
+    print(
+        f"read ceiling {ceilings.read_gbps:.0f} GB/s ({ceilings.read_config}), "
+        f"copy {ceilings.copy_gbps:.0f} GB/s",
+        flush=True,
+    )
+    env = environment(ceilings)
+    print(
+        f"{env['gpu']}; torch {env['torch']}, triton {env['triton']}, "
+        f"pagedattn {env['pagedattn']}, flashinfer {env['flashinfer'] or 'not installed'}; "
+        f"{len(cases)} cases, providers {runnable}",
+        flush=True,
+    )
+
+    rows: list[dict] = []
+    failures: list[str] = []
+    progress = progress_bar(len(cases))
+    for key, group in _grouped(cases):
+        progress.set_postfix_str(key.describe())
+        try:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(zlib.crc32(repr(key).encode()))
+            cache = make_cache(key, device, generator)
+            free = torch.cuda.mem_get_info(device)[0]
+            budget = max(1, int(free * COPY_MEMORY_SHARE) // cache_tensor_bytes(cache) + 1)
+            copies = make_copies(cache, min(rotation_copies(kv_bytes(key)), budget))
+        except torch.cuda.OutOfMemoryError as exc:
+            progress.write(
+                f"skipped {key.describe()}: out of memory building the cache ({_one_line(exc)})"
+            )
+            rows += [
+                {"provider": n, "method": "skipped: out of memory", **case_fields(case), **env}
+                for case in group
+                for n in runnable
+            ]
+            progress.update(len(group))
+            torch.cuda.empty_cache()
+            continue
+        for case in group:
+            inputs = make_inputs(case, cache, copies, generator)
+            ref = reference_output(inputs)
+            for provider_name in runnable:
+                row = {"provider": provider_name, **case_fields(case), **env}
+                try:
+                    row.update(
+                        check_and_time(
+                            PROVIDERS[provider_name],
+                            inputs,
+                            ref,
+                            replays=replays,
+                            use_graph=not args.eager,
+                        )
+                    )
+                except Exception as exc:
+                    row["method"] = f"error: {_one_line(exc)}"
+                    progress.write(
+                        f"ERROR {provider_name} on {case.describe()}:\n{traceback.format_exc()}"
+                    )
+                if row["method"].startswith(("WRONG", "error")):
+                    failures.append(f"{provider_name} on {case.describe()}: {row['method']}")
+                    if row["method"].startswith("WRONG"):
+                        progress.write(
+                            f"WRONG {provider_name} on {case.describe()}: {row['method']}"
+                        )
+                add_bandwidth(row, case, ceilings)
+                rows.append(row)
+            progress.update(1)
+            del inputs, ref
+        del cache, copies
+        torch.cuda.empty_cache()
+    progress.close()
+
+    peer_names = peers()
+    report.add_ratios(rows, peer_names, ours=ours())
+    notes = [
+        *memory_notes,
+        *(f"{n}: skipped: {PROVIDERS[n].available()[1]}" for n in names if n not in runnable),
+    ]
+    files = [report.write_csv(rows, out_dir / f"{name}.csv", peer_names)]
+    files.append(
+        report.write_markdown(
+            rows,
+            out_dir / f"{name}.md",
+            providers=runnable,
+            peers=peer_names,
+            main=MAIN,
+            env=env,
+            notes=notes,
+        )
+    )
+    if not args.no_plots:
+        files += report.write_plots(rows, out_dir, name, runnable)
+
+    print()
+    print(
+        f"{env['gpu']}: read ceiling {ceilings.read_gbps:.0f} GB/s, "
+        f"copy {ceilings.copy_gbps:.0f} GB/s; µs = median per call; (%) = of read ceiling; "
+        f"ratio = peer µs / {MAIN} µs"
+    )
+    print(report.summary_text(rows, runnable, peer_names, MAIN))
+    for note in notes:
+        print(note)
+    print("wrote " + ", ".join(str(f) for f in files))
+    if failures:
+        print(f"{len(failures)} FAILED:")
+        for failure in failures:
+            print(f"  {failure}")
+        return 1
+    return 0
+
+
+def _custom(args: argparse.Namespace) -> bool:
+    dims = (args.batch, args.context, args.query_len, args.kv_dtype, args.page_size, args.kv_scale)
+    return any(d is not None for d in dims) or args.ragged
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedattn.bench import build_parser
+
+    return run_sweep(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""paged_decode (scheduler + persistent decode kernel + reducer) against the float64 reference.
+
+On CPU the real Triton kernels run through the interpreter at tiny sizes; on a GPU the same
+cases run at realistic sizes (lengths scaled up), plus the GPU-only checks at the end.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import DEVICE, ON_GPU, rel_err, requires_gpu
+
+import pagedattn
+from pagedattn.reference import paged_decode_torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def tolerance(kv_dtype, out_dtype):
+    """Relative-error bounds (measured in NOTES.md; about 3x margin).
+
+    The P V dot takes P in bf16 for a bf16 cache (~2e-3) and fp16 otherwise (~2e-4); the
+    output's own rounding adds ~2e-3 for bf16 and ~3e-4 for fp16.
+    """
+    compute = 6e-3 if kv_dtype == torch.bfloat16 else 1e-3
+    rounding = {torch.bfloat16: 6e-3, torch.float16: 1e-3, torch.float32: 0.0}[out_dtype]
+    return compute + rounding
+
+
+@dataclasses.dataclass
+class Case:
+    lens: tuple  # tokens per sequence (CPU sizes; scaled on GPU)
+    num_q_heads: int = 4
+    num_kv_heads: int = 1
+    head_dim: int = 64
+    page_size: int = 16
+    kv_dtype: torch.dtype = torch.bfloat16
+    kv_scale: str | None = None
+    q_dtype: torch.dtype = torch.bfloat16
+    out_dtype: torch.dtype | None = None
+    kv_layout: str = "NHD"
+    query_len: int = 1
+    window: int | None = None
+    num_programs: int | None = 4
+    partition_size: int | None = 16
+    kv_combined: bool = False
+    sm_scale: float | None = None
+    lse: bool = True
+
+
+CASES = {
+    "bf16-nhd": Case((37, 5, 64)),
+    "fp16-hnd": Case((20, 33), kv_dtype=torch.float16, q_dtype=torch.float16, kv_layout="HND"),
+    "fp8-tensor": Case((50, 17, 1), kv_dtype=FP8, kv_scale="per_tensor"),
+    "fp8-token": Case((50, 17, 1), kv_dtype=FP8, kv_scale="per_token"),
+    "fp8-token-hnd-fp16q": Case(
+        (40, 9), kv_dtype=FP8, kv_scale="per_token", q_dtype=torch.float16, kv_layout="HND"
+    ),
+    "fp8-tensor-hnd-combined": Case(
+        (30, 31), kv_dtype=FP8, kv_scale="per_tensor", kv_layout="HND", kv_combined=True
+    ),
+    "bf16-combined-out-f32": Case((45, 2), kv_combined=True, out_dtype=torch.float32),
+    "fp8-out-f32": Case((45,), kv_dtype=FP8, kv_scale="per_token", out_dtype=torch.float32),
+    "page1": Case((7, 19), page_size=1),
+    "page2-fp8": Case((9, 4), page_size=2, kv_dtype=FP8, kv_scale="per_tensor"),
+    "page64-exact-boundary": Case((64, 128), page_size=64, partition_size=64),
+    "page4096": Case((70, 3), page_size=4096),
+    "head-dim-128": Case((33, 12), head_dim=128),
+    "head-dim-256-fp8": Case((33, 12), head_dim=256, kv_dtype=FP8, kv_scale="per_token"),
+    "mha": Case((21, 30), num_q_heads=3, num_kv_heads=3, num_programs=6),
+    "gqa2-kv2": Case((21, 30), num_q_heads=4, num_kv_heads=2),
+    "gqa16": Case((40, 3), num_q_heads=16, kv_dtype=FP8, kv_scale="per_tensor"),
+    "mqa-8": Case((25,), num_q_heads=8),
+    "qlen2-causal": Case((24, 3), query_len=2),
+    "qlen4-fp8-token": Case(
+        (40, 4), query_len=4, num_q_heads=16, kv_dtype=FP8, kv_scale="per_token"
+    ),
+    "qlen8-group16": Case((50, 8), query_len=8, num_q_heads=16),
+    "qlen3-seq-eq-qlen": Case((3, 3, 20), query_len=3),
+    "window": Case((60, 9), window=10),
+    "window1-qlen3": Case((40, 5), window=1, query_len=3, kv_dtype=FP8, kv_scale="per_token"),
+    "window-gt-seq": Case((30,), window=1000),
+    "sm-scale": Case((25, 7), sm_scale=0.3),
+    "no-lse": Case((25, 7), lse=False),
+    "one-program": Case((33, 12, 70), num_programs=1),
+    "many-programs-split": Case(
+        (200, 3), num_programs=12, query_len=2, kv_dtype=FP8, kv_scale="per_tensor"
+    ),
+    "default-grid": Case((40, 90), num_programs=None, partition_size=None),
+    "one-token": Case((1,)),
+}
+
+
+def run_case(case: Case, gen, scale_lens: int = 1):
+    lens = [max(n * scale_lens, case.query_len) for n in case.lens]
+    cache = pagedattn.build_paged_cache(
+        lens,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        page_size=case.page_size,
+        kv_dtype=case.kv_dtype,
+        kv_layout=case.kv_layout,
+        kv_scale=case.kv_scale,
+        device=DEVICE,
+        generator=gen,
+        extra_pages=2,
+        kv_combined=case.kv_combined,
+    )
+    batch = len(lens)
+    q = torch.randn(
+        batch * case.query_len, case.num_q_heads, case.head_dim, generator=gen, device=DEVICE
+    ).to(case.q_dtype)
+    out_dtype = case.out_dtype or case.q_dtype
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=DEVICE)  # poison
+    plan = pagedattn.plan_decode(
+        cache.seq_lens,
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        page_size=case.page_size,
+        query_len=case.query_len,
+        kv_dtype=case.kv_dtype,
+        kv_scale=case.kv_scale,
+        num_programs=case.num_programs,
+        partition_size=case.partition_size,
+    )
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kwargs = dict(
+        sm_scale=case.sm_scale,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        kv_layout=case.kv_layout,
+        sliding_window=case.window,
+    )
+    result = pagedattn.paged_decode(
+        *args, plan=plan, out=out, return_lse=case.lse, debug=True, **kwargs
+    )
+    ref = paged_decode_torch(*args, return_lse=case.lse, **kwargs)
+    if case.lse:
+        (got, lse), (ref_out, ref_lse) = result, ref
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+        assert rel_err(lse, ref_lse) < 1e-5
+    else:
+        got, ref_out = result, ref
+    assert got is out
+    err = rel_err(got, ref_out)
+    assert err < tolerance(case.kv_dtype, out_dtype), f"rel err {err:.3e}"
+    return plan, got
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_matches_reference(name, gen):
+    run_case(CASES[name], gen, scale_lens=40 if ON_GPU else 1)
+
+
+def test_split_sequences_are_reduced(gen):
+    """The split path really runs: some works write partials, and the answer still matches."""
+    plan, _ = run_case(CASES["many-programs-split"], gen)
+    assert any(w.partial_slot >= 0 for w in plan.work_items())
+    assert plan.reduce_items()
+
+
+def test_plan_made_internally(gen):
+    cache = pagedattn.build_paged_cache(
+        [30, 5], num_kv_heads=2, head_dim=64, page_size=8, device=DEVICE, generator=gen
+    )
+    q = torch.randn(2, 4, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    out = pagedattn.paged_decode(*args)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_err(out, paged_decode_torch(*args)) < tolerance(torch.bfloat16, torch.bfloat16)
+
+
+def test_empty_batch():
+    seq_lens = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    k = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    q = torch.zeros(0, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    table = torch.zeros(0, 1, dtype=torch.int32, device=DEVICE)
+    out, lse = pagedattn.paged_decode(q, k, k, table, seq_lens, return_lse=True)
+    assert out.shape == (0, 2, 64) and lse.shape == (0, 2)
+
+
+def test_repeated_runs_are_bitwise_identical(gen):
+    case = CASES["many-programs-split"]
+    cache = pagedattn.build_paged_cache(
+        [n * (40 if ON_GPU else 1) for n in case.lens],
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        device=DEVICE,
+        generator=gen,
+    )
+    q = torch.randn(4, 4, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
+    plan = pagedattn.plan_decode(
+        cache.seq_lens,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        query_len=2,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        num_programs=12,
+        partition_size=16,
+    )
+    assert plan.reduce_items()
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale, return_lse=True)
+    first_out, first_lse = pagedattn.paged_decode(*args, **kw)
+    for _ in range(20 if ON_GPU else 3):
+        out, lse = pagedattn.paged_decode(*args, **kw)
+        assert torch.equal(out, first_out) and torch.equal(lse, first_lse)
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+def seed_step(batch, context, query_len, gen, *, kv_scale="per_tensor"):
+    cache = pagedattn.build_paged_cache(
+        [context] * batch,
+        num_kv_heads=1,
+        head_dim=128,
+        page_size=1024,
+        kv_dtype=FP8,
+        kv_scale=kv_scale,
+        device=DEVICE,
+        generator=gen,
+    )
+    q = torch.randn(batch * query_len, 16, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
+    return cache, q
+
+
+@requires_gpu
+@pytest.mark.parametrize("query_len", [1, 4])
+@pytest.mark.parametrize("kv_scale", ["per_tensor", "per_token"])
+@pytest.mark.parametrize("batch, context", [(1, 1024), (16, 8192), (3, 32768)])
+def test_seed_workload(batch, context, query_len, kv_scale, gen):
+    cache, q = seed_step(batch, context, query_len, gen, kv_scale=kv_scale)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    out = pagedattn.paged_decode(*args, **kw)
+    assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(FP8, torch.bfloat16)
+
+
+@requires_gpu
+def test_cuda_graph_replay_with_new_lengths(gen):
+    batch, query_len, max_len = 8, 2, 5000
+    lens = [max_len] * batch
+    cache = pagedattn.build_paged_cache(
+        lens,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        kv_dtype=FP8,
+        kv_scale="per_token",
+        device=DEVICE,
+        generator=gen,
+    )
+    q = torch.randn(batch * query_len, 8, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
+    seq_lens = cache.seq_lens.clone()
+    out = torch.empty_like(q)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+    def step():
+        plan = pagedattn.plan_decode(
+            seq_lens,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=128,
+            page_size=16,
+            query_len=query_len,
+            kv_dtype=FP8,
+            kv_scale="per_token",
+        )
+        pagedattn.paged_decode(
+            q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, plan=plan, out=out, **kw
+        )
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(3):
+        new = torch.randint(query_len, max_len + 1, (batch,), generator=gen, device=DEVICE)
+        if trial == 1:
+            new[0] = max_len  # one long among short ones
+            new[1:] = torch.randint(query_len, 40, (batch - 1,), generator=gen, device=DEVICE)
+        seq_lens.copy_(new.to(torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = paged_decode_torch(q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, **kw)
+        assert rel_err(out, ref) < tolerance(FP8, torch.bfloat16), f"replay {trial}"
+
+
+@requires_gpu
+def test_decode_with_plan_never_syncs(gen):
+    cache, q = seed_step(4, 8192, 4, gen, kv_scale="per_token")
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, return_lse=True)
+    shape = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=1024, query_len=4)
+    shape.update(kv_dtype=FP8, kv_scale="per_token")
+    plan = pagedattn.plan_decode(cache.seq_lens, **shape)
+    pagedattn.paged_decode(*args, plan=plan, **kw)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = pagedattn.plan_decode(cache.seq_lens, **shape)
+        pagedattn.paged_decode(*args, plan=plan, **kw)
+        pagedattn.paged_decode(*args, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@requires_gpu
+def test_cache_over_4gib_with_high_page_ids(gen):
+    """int64 addressing: pages past 2^21 of a 9 GiB cache (byte offsets far beyond 2^31)."""
+    page_size, head_dim = 16, 128
+    num_pages = 2_300_000  # 2.3M pages x 16 x 128 B = 4.7 GB per cache
+    k = torch.empty(num_pages, page_size, 1, head_dim, dtype=FP8, device=DEVICE)
+    v = torch.empty_like(k)
+    lens = [700, 1500, 33]
+    pages_needed = sum(-(-n // page_size) for n in lens)
+    ids = num_pages - 1 - torch.randperm(200_000, generator=gen, device=DEVICE)[:pages_needed]
+    assert int(ids.min()) > 65_536
+    table = torch.zeros(len(lens), max(-(-n // page_size) for n in lens), dtype=torch.int32)
+    table = table.to(DEVICE)
+    at = 0
+    for b, n in enumerate(lens):
+        count = -(-n // page_size)
+        table[b, :count] = ids[at : at + count].to(torch.int32)
+        at += count
+    for cache in (k, v):
+        values = torch.randn(pages_needed, page_size, 1, head_dim, generator=gen, device=DEVICE)
+        cache[ids.long()] = (values * 8).to(FP8)
+    k_scale = torch.tensor([0.05], device=DEVICE)
+    v_scale = torch.tensor([0.1], device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), 16, head_dim, generator=gen, device=DEVICE).to(torch.bfloat16)
+    args = (q, k, v, table, seq_lens)
+    kw = dict(k_scale=k_scale, v_scale=v_scale)
+    out = pagedattn.paged_decode(*args, debug=True, **kw)
+    assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(FP8, torch.bfloat16)

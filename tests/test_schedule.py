@@ -1,0 +1,209 @@
+"""GPU scheduler (plan_decode) against its NumPy twin and the work-list invariants."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE, ON_GPU, requires_gpu
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pagedattn
+from pagedattn.plan import plan_sizes, schedule_numpy
+
+
+def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1):
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return pagedattn.plan_decode(
+        seq_lens,
+        num_q_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        page_size=16,
+        query_len=query_len,
+        num_programs=num_programs,
+        partition_size=partition_size,
+    )
+
+
+def check_invariants(plan, lens, partition_size):
+    """The work-list model of DESIGN.md, checked from the host-side view of the plan."""
+    lens = np.asarray(lens)
+    items = plan.work_items()
+    per_head = plan.num_programs // plan.num_kv_heads
+    indptr = plan.work_indptr.cpu().numpy()
+    assert indptr[0] == 0 and np.all(np.diff(indptr) >= 0)
+    for p in range(plan.num_programs):
+        assert all(w.program == p for w in items[indptr[p] : indptr[p + 1]])
+
+    # Every (seq, kv head, partition) is covered by exactly one work.
+    covered = {}
+    for w in items:
+        assert w.program // per_head == w.kv_head
+        assert w.token_start % partition_size == 0
+        assert 0 <= w.token_start < w.token_end <= lens[w.seq]
+        first = w.token_start // partition_size
+        end = -(-w.token_end // partition_size)
+        for part in range(first, end):
+            key = (w.seq, w.kv_head, part)
+            assert key not in covered, f"{key} covered twice"
+            covered[key] = w
+    expected = {
+        (b, h, part)
+        for b in range(len(lens))
+        for h in range(plan.num_kv_heads)
+        for part in range(-(-int(lens[b]) // partition_size))
+    }
+    assert set(covered) == expected
+
+    # Per kv head, any two programs' loads differ by at most one partition.
+    load = np.zeros(plan.num_programs, dtype=np.int64)
+    for w in items:
+        load[w.program] += -(-w.token_end // partition_size) - w.token_start // partition_size
+    for h in range(plan.num_kv_heads):
+        head_load = load[h * per_head : (h + 1) * per_head]
+        assert head_load.max() - head_load.min() <= 1
+
+    # A (seq, head) has partials iff it is cut; the reduce maps point exactly at them, in order.
+    pieces = {}
+    for w in items:
+        pieces.setdefault((w.seq, w.kv_head), []).append(w)
+    reduces = {(r[0], r[1]): r for r in plan.reduce_items()}
+    for key, works in pieces.items():
+        if len(works) == 1:
+            assert works[0].partial_slot == -1
+            assert key not in reduces
+        else:
+            slots = [w.partial_slot for w in works]
+            assert all(s >= 0 for s in slots)
+            assert [w.token_start for w in works] == sorted(w.token_start for w in works)
+            _, _, first_slot, num_slots = reduces[key]
+            assert slots == list(range(first_slot, first_slot + num_slots))
+    assert set(reduces) <= set(pieces)
+    all_slots = [w.partial_slot for w in items if w.partial_slot >= 0]
+    assert len(all_slots) == len(set(all_slots))
+    max_works, max_partials, max_reduces = plan_sizes(
+        plan.batch, plan.num_programs, plan.num_kv_heads
+    )
+    assert len(items) <= max_works and len(all_slots) <= max_partials
+    assert len(reduces) <= max_reduces
+
+
+def check_matches_numpy(plan, lens, partition_size):
+    indptr, works, reduces = schedule_numpy(
+        lens,
+        num_programs=plan.num_programs,
+        num_kv_heads=plan.num_kv_heads,
+        group=plan.group,
+        partition_size=partition_size,
+    )
+    n = int(indptr[-1])
+    np.testing.assert_array_equal(plan.work_indptr.cpu().numpy(), indptr)
+    np.testing.assert_array_equal(plan.works[:n].cpu().numpy(), works[:n])
+    np.testing.assert_array_equal(plan.reduces.cpu().numpy(), reduces)
+
+
+@st.composite
+def batches(draw):
+    partition_size = draw(st.sampled_from([16, 64, 256]))
+    batch = draw(st.integers(1, 24))
+    kind = st.one_of(
+        st.integers(1, 4 * partition_size),
+        st.sampled_from([1, partition_size, 2 * partition_size, partition_size + 1]),
+    )
+    lens = draw(st.lists(kind, min_size=batch, max_size=batch))
+    if draw(st.booleans()):  # one huge sequence among tiny ones
+        lens[draw(st.integers(0, batch - 1))] = draw(st.integers(40, 120)) * partition_size + 3
+    num_kv_heads = draw(st.sampled_from([1, 2, 3]))
+    num_programs = num_kv_heads * draw(st.integers(1, 12))
+    group = draw(st.sampled_from([1, 4]))
+    return lens, partition_size, num_kv_heads, num_programs, group
+
+
+@settings(
+    max_examples=300 if ON_GPU else 25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(batches())
+def test_plan_invariants_and_numpy_twin(case):
+    lens, partition_size, num_kv_heads, num_programs, group = case
+    plan = make_plan(
+        lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        num_programs=num_programs,
+        partition_size=partition_size,
+    )
+    check_matches_numpy(plan, lens, partition_size)
+    check_invariants(plan, lens, partition_size)
+
+
+@pytest.mark.parametrize(
+    "batch, num_programs",
+    [
+        (1, 1),
+        (1, 528 if ON_GPU else 64),
+        (8192, 528 if ON_GPU else 8),
+        (1500, 132) if ON_GPU else (300, 33),
+    ],
+)
+def test_plan_sizes_at_the_limits(batch, num_programs):
+    rng = np.random.default_rng(batch + num_programs)
+    lens = rng.integers(1, 5000, size=batch)
+    plan = make_plan(lens, num_kv_heads=1, group=16, num_programs=num_programs, partition_size=256)
+    check_matches_numpy(plan, lens, 256)
+    if batch * num_programs <= 200_000:
+        check_invariants(plan, lens, 256)
+
+
+def test_reuse_refills_the_same_buffers():
+    lens_a, lens_b = [300, 5, 1000], [17, 900, 2]
+    plan = make_plan(lens_a, num_kv_heads=2, group=2, num_programs=6, partition_size=64)
+    buffer = plan.metadata.data_ptr()
+    seq_lens = torch.tensor(lens_b, dtype=torch.int32, device=DEVICE)
+    again = pagedattn.plan_decode(
+        seq_lens,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        num_programs=6,
+        partition_size=64,
+        reuse=plan,
+    )
+    assert again is plan and plan.metadata.data_ptr() == buffer
+    check_matches_numpy(plan, lens_b, 64)
+
+
+def test_default_program_count_is_a_multiple_of_kv_heads():
+    plan = make_plan([10, 20], num_kv_heads=3, group=1, num_programs=None, partition_size=16)
+    assert plan.num_programs % 3 == 0 and plan.num_programs >= 3
+    assert plan.partition_size == 16
+    default = pagedattn.plan_decode(
+        torch.tensor([5], dtype=torch.int32, device=DEVICE),
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+    )
+    assert default.partition_size == 256
+    if ON_GPU:
+        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        assert default.num_programs == sms
+
+
+def test_empty_batch_plans_no_work():
+    plan = make_plan([], num_kv_heads=1, group=1, num_programs=4, partition_size=16)
+    assert plan.work_items() == []
+    assert plan.reduce_items() == []
+
+
+@requires_gpu
+def test_plan_decode_never_syncs():
+    seq_lens = torch.randint(1, 40000, (256,), dtype=torch.int32, device=DEVICE)
+    kwargs = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=1024)
+    pagedattn.plan_decode(seq_lens, **kwargs)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pagedattn.plan_decode(seq_lens, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
