@@ -57,7 +57,7 @@ def _read_kernel(
     num_blocks = tl.cdiv(n_elements, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for block in tl.range(pid, num_blocks, NUM_PROGRAMS):
-        offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offsets = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         if EVEN:
             acc += tl.load(x_ptr + offsets)
         else:

@@ -73,10 +73,10 @@ class Prepared:
         return self.make_step(copy)
 
 
-def host_time_us(fn: Callable[[], Any], samples: int = PLAN_SAMPLES) -> float:
+def host_time_us(fn: Callable[[], Any], samples: int | None = None) -> float:
     """Median host wall time of ``fn()`` in microseconds (what the CPU spends; not GPU time)."""
     times = []
-    for _ in range(samples):
+    for _ in range(samples or PLAN_SAMPLES):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()

@@ -118,6 +118,8 @@ def _cell(row: dict | None) -> str:
         return "skipped"
     if method.startswith("WRONG"):
         return "WRONG"
+    if method.startswith("checked"):
+        return "checked"
     return "error"
 
 
@@ -172,10 +174,14 @@ def write_markdown(
     notes: Sequence[str] = (),
 ) -> Path:
     header, body = pivot(rows, providers, peers, main)
+
+    def gbps(key: str) -> str:
+        value = env.get(key)
+        return f"{value:.0f} GB/s" if isinstance(value, (int, float)) else "? GB/s"
+
     lines = [
         f"Measured on {env.get('gpu', '?')}, {env.get('date', '?')}: read ceiling "
-        f"{env.get('read_ceiling_gbps', float('nan')):.0f} GB/s, copy "
-        f"{env.get('copy_ceiling_gbps', float('nan')):.0f} GB/s (measured in the same run).",
+        f"{gbps('read_ceiling_gbps')}, copy {gbps('copy_ceiling_gbps')}, measured in the same run.",
         f"torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, pagedattn "
         f"{env.get('pagedattn', '?')}, FlashInfer {env.get('flashinfer') or 'not installed'}.",
         "Times: median µs per call of CUDA-graph replays over rotated KV copies (larger than L2), "
@@ -200,7 +206,7 @@ def summary_text(
 ) -> str:
     """The pivot as aligned plain text (what the terminal shows last)."""
     header, body = pivot(rows, providers, peers, main)
-    header = [h.replace(" (% read ceiling)", " (%)") for h in header]
+    header = [h.replace(" µs (% read ceiling)", "").replace(f"{main} vs ", "vs ") for h in header]
     widths = [
         max(len(h), *(len(line[i]) for line in body)) if body else len(h)
         for i, h in enumerate(header)
@@ -252,16 +258,15 @@ def write_plots(
     batches = sorted({int(r["batch"]) for r in timed})
     colors = plt.get_cmap("viridis")([i / max(1, len(batches) - 1) for i in range(len(batches))])
     for ax, key in zip(axes.flat, panels):
-        panel = [r for r in timed if _panel_key(r) == key and r.get("seq_lens", "fixed") == "fixed"]
+        panel = [r for r in timed if _panel_key(r) == key]
         for pi, provider in enumerate(providers):
             for bi, batch in enumerate(batches):
-                pts = sorted(
-                    (int(r["context"]), r["us_p50"])
-                    for r in panel
-                    if r["provider"] == provider and int(r["batch"]) == batch
+                mine = [r for r in panel if r["provider"] == provider and int(r["batch"]) == batch]
+                fixed = sorted(
+                    (int(r["context"]), r["us_p50"]) for r in mine if r["seq_lens"] == "fixed"
                 )
-                if pts:
-                    xs, ys = zip(*pts)
+                if fixed:
+                    xs, ys = zip(*fixed)
                     ax.plot(
                         xs,
                         ys,
@@ -270,13 +275,25 @@ def write_plots(
                         label=f"{provider} b{batch}",
                         markersize=4,
                     )
+                # A ragged batch: one star at its mean length.
+                for r in (r for r in mine if r["seq_lens"] != "fixed"):
+                    ax.plot(
+                        [int(r["context"])],
+                        [r["us_p50"]],
+                        "*",
+                        color=colors[bi],
+                        markersize=9,
+                        markeredgecolor=f"C{pi}",
+                        label=f"{provider} b{batch} ragged (mean length)",
+                    )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens per sequence)")
         ax.set_ylabel("µs per step (median)")
         ax.set_title(_panel_title(key))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()
@@ -295,14 +312,18 @@ def write_plots(
             )
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, styles[pi % len(styles)], label=provider, markersize=4)
+                ax.plot(
+                    xs, ys, styles[pi % len(styles)], color=f"C{pi}", label=provider, markersize=4
+                )
         ax.set_xscale("log")
-        ax.set_ylim(0, 100)
+        # Above 100% only when a small cache stayed in L2: shown, not clipped.
+        ax.set_ylim(0, max([100.0, *(1.05 * r["pct_read_ceiling"] for r in panel)]))
         ax.set_xlabel("KV MB read per step")
         ax.set_ylabel("% of measured read ceiling")
         ax.set_title(_panel_title(key))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()

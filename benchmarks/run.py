@@ -37,6 +37,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ERROR_BOUNDS = {"fp8": 2e-2, "bf16": 1e-2, "fp16": 1e-2}
 MAIN = "pagedattn"  # the provider the markdown compares with each peer
 COPY_MEMORY_SHARE = 0.5  # of free GPU memory, for the timing rotation's KV copies
+MAX_LISTED_FAILURES = 20  # the GPU machine returns only the output's tail
 
 
 class UsageError(ValueError):
@@ -285,6 +286,105 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
 
 
+def sweep(
+    cases: Sequence[Case],
+    provider_names: Sequence[str],
+    *,
+    device: torch.device,
+    ceilings: Ceilings,
+    env: dict,
+    time_it: bool = True,
+    replays: int = MIN_REPLAYS,
+    use_graph: bool = True,
+) -> tuple[list[dict], list[str]]:
+    """Check (and time) every provider on every case: ``(rows, failures)``.
+
+    Cases sharing a cache (same shape, dtype, scale, page; any query length) reuse one.
+    Nothing here raises for a provider's failure: it becomes a row and a failure line.
+    """
+    rows: list[dict] = []
+    failures: list[str] = []
+    traced: set[str] = set()  # providers whose first error was printed in full
+    progress = progress_bar(len(cases))
+    for key, group in _grouped(cases):
+        progress.set_postfix_str(key.describe())
+        try:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(zlib.crc32(repr(key).encode()))
+            cache = make_cache(key, device, generator)
+            count = 1
+            if time_it:
+                free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+                budget = max(1, int(free * COPY_MEMORY_SHARE) // cache_tensor_bytes(cache) + 1)
+                count = min(rotation_copies(kv_bytes(key)), budget)
+            copies = make_copies(cache, count)
+        except Exception as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                method = "skipped: out of memory building the cache"
+            else:
+                method = f"error: cache build failed: {_one_line(exc)}"
+                failures += [f"{case.describe()}: {method}" for case in group]
+            progress.write(f"{key.describe()}: {method} ({_one_line(exc)})")
+            rows += [
+                {"provider": n, "method": method, **case_fields(case), **env}
+                for case in group
+                for n in provider_names
+            ]
+            progress.update(len(group))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        for case in group:
+            try:
+                inputs = make_inputs(case, cache, copies, generator)
+                ref = reference_output(inputs)
+            except Exception as exc:
+                progress.write(f"ERROR reference on {case.describe()}:\n{traceback.format_exc()}")
+                method = f"error: reference failed: {_one_line(exc)}"
+                rows += [
+                    {"provider": n, "method": method, **case_fields(case), **env}
+                    for n in provider_names
+                ]
+                failures.append(f"reference on {case.describe()}: {method}")
+                progress.update(1)
+                continue
+            for provider_name in provider_names:
+                row = {"provider": provider_name, **case_fields(case), **env}
+                try:
+                    row.update(
+                        check_and_time(
+                            PROVIDERS[provider_name],
+                            inputs,
+                            ref,
+                            time_it=time_it,
+                            replays=replays,
+                            use_graph=use_graph,
+                        )
+                    )
+                except Exception as exc:
+                    row["method"] = f"error: {_one_line(exc)}"
+                    detail = row["method"] if provider_name in traced else traceback.format_exc()
+                    traced.add(provider_name)
+                    progress.write(f"ERROR {provider_name} on {case.describe()}: {detail}")
+                if "graph capture failed" in row["method"]:
+                    progress.write(f"note: {provider_name} on {case.describe()}: {row['method']}")
+                if row["method"].startswith(("WRONG", "error")):
+                    failures.append(f"{provider_name} on {case.describe()}: {row['method']}")
+                    if row["method"].startswith("WRONG"):
+                        progress.write(
+                            f"WRONG {provider_name} on {case.describe()}: {row['method']}"
+                        )
+                add_bandwidth(row, case, ceilings)
+                rows.append(row)
+            progress.update(1)
+            del inputs, ref
+        del cache, copies
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    progress.close()
+    return rows, failures
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     """Run the sweep the parsed command line asks for; 0 if every provider ran correctly."""
     cases = cases_from_args(args)
@@ -314,7 +414,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     for note in memory_notes:
         print(note)
     device = torch.device("cuda")
-    name = args.name or ("custom" if _custom(args) else args.preset)
+    result_name = args.name or ("custom" if _custom(args) else args.preset)
     out_dir = Path(args.out) if args.out else RESULTS_DIR
     replays = max(args.repeats, MIN_REPLAYS)
 
@@ -333,99 +433,81 @@ def run_sweep(args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    rows: list[dict] = []
-    failures: list[str] = []
-    progress = progress_bar(len(cases))
-    for key, group in _grouped(cases):
-        progress.set_postfix_str(key.describe())
-        try:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(zlib.crc32(repr(key).encode()))
-            cache = make_cache(key, device, generator)
-            free = torch.cuda.mem_get_info(device)[0]
-            budget = max(1, int(free * COPY_MEMORY_SHARE) // cache_tensor_bytes(cache) + 1)
-            copies = make_copies(cache, min(rotation_copies(kv_bytes(key)), budget))
-        except torch.cuda.OutOfMemoryError as exc:
-            progress.write(
-                f"skipped {key.describe()}: out of memory building the cache ({_one_line(exc)})"
-            )
-            rows += [
-                {"provider": n, "method": "skipped: out of memory", **case_fields(case), **env}
-                for case in group
-                for n in runnable
-            ]
-            progress.update(len(group))
-            torch.cuda.empty_cache()
-            continue
-        for case in group:
-            inputs = make_inputs(case, cache, copies, generator)
-            ref = reference_output(inputs)
-            for provider_name in runnable:
-                row = {"provider": provider_name, **case_fields(case), **env}
-                try:
-                    row.update(
-                        check_and_time(
-                            PROVIDERS[provider_name],
-                            inputs,
-                            ref,
-                            replays=replays,
-                            use_graph=not args.eager,
-                        )
-                    )
-                except Exception as exc:
-                    row["method"] = f"error: {_one_line(exc)}"
-                    progress.write(
-                        f"ERROR {provider_name} on {case.describe()}:\n{traceback.format_exc()}"
-                    )
-                if row["method"].startswith(("WRONG", "error")):
-                    failures.append(f"{provider_name} on {case.describe()}: {row['method']}")
-                    if row["method"].startswith("WRONG"):
-                        progress.write(
-                            f"WRONG {provider_name} on {case.describe()}: {row['method']}"
-                        )
-                add_bandwidth(row, case, ceilings)
-                rows.append(row)
-            progress.update(1)
-            del inputs, ref
-        del cache, copies
-        torch.cuda.empty_cache()
-    progress.close()
+    rows, failures = sweep(
+        cases,
+        runnable,
+        device=device,
+        ceilings=ceilings,
+        env=env,
+        replays=replays,
+        use_graph=not args.eager,
+    )
 
-    peer_names = peers()
-    report.add_ratios(rows, peer_names, ours=ours())
     notes = [
         *memory_notes,
         *(f"{n}: skipped: {PROVIDERS[n].available()[1]}" for n in names if n not in runnable),
     ]
+    return finish(
+        rows,
+        failures,
+        providers=runnable,
+        env=env,
+        out_dir=out_dir,
+        name=result_name,
+        notes=notes,
+        plots=not args.no_plots,
+    )
+
+
+def finish(
+    rows: list[dict],
+    failures: Sequence[str],
+    *,
+    providers: Sequence[str],
+    env: dict,
+    out_dir: Path,
+    name: str,
+    notes: Sequence[str] = (),
+    plots: bool = True,
+) -> int:
+    """Write CSV, markdown and plots, print the summary last; the exit status (1 on failures)."""
+    peer_names = peers()
+    report.add_ratios(rows, peer_names, ours=ours())
     files = [report.write_csv(rows, out_dir / f"{name}.csv", peer_names)]
     files.append(
         report.write_markdown(
             rows,
             out_dir / f"{name}.md",
-            providers=runnable,
+            providers=providers,
             peers=peer_names,
             main=MAIN,
             env=env,
             notes=notes,
         )
     )
-    if not args.no_plots:
-        files += report.write_plots(rows, out_dir, name, runnable)
+    if plots:
+        files += report.write_plots(rows, out_dir, name, providers)
+
+    def gbps(key: str) -> str:
+        value = env.get(key)
+        return f"{value:.0f} GB/s" if isinstance(value, (int, float)) else "? GB/s"
 
     print()
     print(
-        f"{env['gpu']}: read ceiling {ceilings.read_gbps:.0f} GB/s, "
-        f"copy {ceilings.copy_gbps:.0f} GB/s; µs = median per call; (%) = of read ceiling; "
+        f"{env.get('gpu', '?')}: read ceiling {gbps('read_ceiling_gbps')}, copy "
+        f"{gbps('copy_ceiling_gbps')}; µs = median per call; (%) = of read ceiling; "
         f"ratio = peer µs / {MAIN} µs"
     )
-    print(report.summary_text(rows, runnable, peer_names, MAIN))
+    print(report.summary_text(rows, providers, peer_names, MAIN))
     for note in notes:
         print(note)
     print("wrote " + ", ".join(str(f) for f in files))
     if failures:
         print(f"{len(failures)} FAILED:")
-        for failure in failures:
+        for failure in failures[:MAX_LISTED_FAILURES]:
             print(f"  {failure}")
+        if len(failures) > MAX_LISTED_FAILURES:
+            print(f"  ... and {len(failures) - MAX_LISTED_FAILURES} more (see the CSV's method)")
         return 1
     return 0
 

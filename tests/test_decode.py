@@ -12,6 +12,7 @@ from conftest import DEVICE, ON_GPU, rel_err, requires_gpu
 
 import pagedattn
 from pagedattn.reference import paged_decode_torch
+from pagedattn.tuning.launch import DecodeLaunchConfig
 
 FP8 = torch.float8_e4m3fn
 
@@ -46,6 +47,7 @@ class Case:
     kv_combined: bool = False
     sm_scale: float | None = None
     lse: bool = True
+    launch: DecodeLaunchConfig | None = None
 
 
 CASES = {
@@ -88,6 +90,18 @@ CASES = {
     ),
     "default-grid": Case((40, 90), num_programs=None, partition_size=None),
     "one-token": Case((1,)),
+    "no-prefetch-fp8-token": Case(
+        (70, 5),
+        kv_dtype=FP8,
+        kv_scale="per_token",
+        query_len=2,
+        launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, prefetch=False),
+    ),
+    "block-n-128-page16": Case(
+        (300, 40),
+        partition_size=256,
+        launch=DecodeLaunchConfig(block_n=128, num_warps=8, num_stages=3),
+    ),
 }
 
 
@@ -133,7 +147,13 @@ def run_case(case: Case, gen, scale_lens: int = 1):
         sliding_window=case.window,
     )
     result = pagedattn.paged_decode(
-        *args, plan=plan, out=out, return_lse=case.lse, debug=True, **kwargs
+        *args,
+        plan=plan,
+        out=out,
+        return_lse=case.lse,
+        debug=True,
+        launch_config=case.launch,
+        **kwargs,
     )
     ref = paged_decode_torch(*args, return_lse=case.lse, **kwargs)
     if case.lse:

@@ -16,7 +16,12 @@ from ._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_kern
 from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_kernel
 from .plan import DecodePlan, allocate_plan
-from .tuning.launch import DEFAULT_PARTITION, decode_launch_config, default_num_programs
+from .tuning.launch import (
+    DEFAULT_PARTITION,
+    DecodeLaunchConfig,
+    decode_launch_config,
+    default_num_programs,
+)
 
 LOG2E = 1.4426950408889634
 _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE_TOKEN}
@@ -155,6 +160,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     debug: bool = False,
+    launch_config: DecodeLaunchConfig | None = None,
 ):
     """Paged-attention decode: each sequence's new tokens attend to its paged KV cache.
 
@@ -194,6 +200,9 @@ def paged_decode(
     debug : bool
         Add the checks that read values back from the GPU (lengths vs. query_len and the
         block table's capacity, page ids in range). Syncs; not for CUDA-graph capture.
+    launch_config : DecodeLaunchConfig, optional
+        Tile shape and pipelining of the decode kernel (for tuners); default from
+        :func:`pagedattn.tuning.launch.decode_launch_config`.
 
     Returns
     -------
@@ -251,12 +260,14 @@ def paged_decode(
     group = shape.num_q_heads // shape.num_kv_heads
     rows = shape.query_len * group
     block_m = max(16, triton.next_power_of_2(rows))
-    config = decode_launch_config(
+    config = launch_config or decode_launch_config(
         head_dim=shape.head_dim,
         rows=rows,
         kv_dtype=shape.kv_dtype,
         partition_size=plan.partition_size,
     )
+    # Tiles never straddle a partition (works start on partition boundaries).
+    block_n = min(config.block_n, plan.partition_size)
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
     lse_stride = lse.stride(0) if lse is not None else 0
     # Without scales the kernel never reads these pointers; any tensor will do.
@@ -292,11 +303,12 @@ def paged_decode(
         HEAD_DIM=shape.head_dim,
         PAGE_SIZE=shape.page_size,
         BLOCK_M=block_m,
-        BLOCK_N=config.block_n,
+        BLOCK_N=block_n,
         SCALE_MODE=_SCALE_MODES[shape.kv_scale],
         HAS_WINDOW=sliding_window is not None,
         WRITE_LSE=return_lse,
         DOT_FP32=interpreting(),
+        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

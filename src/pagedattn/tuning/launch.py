@@ -18,9 +18,10 @@ CPU_SM_COUNT = 4
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunchConfig:
-    block_n: int  # KV tokens per tile
+    block_n: int  # KV tokens per tile (capped at the partition size)
     num_warps: int
     num_stages: int
+    prefetch: bool = True  # load the next K/V tile while computing this one
 
 
 def decode_launch_config(
@@ -29,9 +30,7 @@ def decode_launch_config(
     """Tile shape for the decode kernel; ``block_n`` never exceeds the partition."""
     block_n = 64 if head_dim <= 128 else 32
     num_warps = 4 if rows <= 16 else 8
-    return DecodeLaunchConfig(
-        block_n=min(block_n, partition_size), num_warps=num_warps, num_stages=3
-    )
+    return DecodeLaunchConfig(block_n=block_n, num_warps=num_warps, num_stages=3)
 
 
 @functools.cache

@@ -1,0 +1,87 @@
+"""Scheduler cost: GPU time of plan_decode (CUDA-graph replay) and its host time.
+
+    python benchmarks/bench_schedule.py [--batches 1,64,256,1024,8192]
+
+GPU time = median over replays of a graph holding R plan_decode calls, divided by R (so launch
+gaps are mostly hidden, as in a captured serving step). Host time = median wall time of one
+eager plan_decode call (argument checks + allocation + launch), synchronising before each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import pagedattn
+
+
+def gpu_us(fn, reps: int = 20, rounds: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def host_us(fn, rounds: int = 200) -> float:
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,64,256,1024,8192")
+    parser.add_argument("--multipliers", default="1,4")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    gen = torch.Generator(device=device).manual_seed(0)
+    print("| batch | programs | GPU µs (graph replay) | host µs (plan_decode) | host µs (reuse=) |")
+    print("|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for mult in (int(m) for m in args.multipliers.split(",")):
+            lens = torch.randint(1, 32768, (batch,), generator=gen, device=device)
+            seq_lens = lens.to(torch.int32)
+            kw = dict(
+                num_q_heads=16,
+                num_kv_heads=1,
+                head_dim=128,
+                page_size=1024,
+                kv_dtype=torch.float8_e4m3fn,
+                kv_scale="per_tensor",
+                num_programs=sms * mult,
+            )
+            plan = pagedattn.plan_decode(seq_lens, **kw)
+
+            def fresh(seq_lens=seq_lens, kw=kw):
+                return pagedattn.plan_decode(seq_lens, **kw)
+
+            def refill(seq_lens=seq_lens, kw=kw, plan=plan):
+                return pagedattn.plan_decode(seq_lens, **kw, reuse=plan)
+
+            g, h, r = gpu_us(refill), host_us(fresh), host_us(refill)
+            print(f"| {batch} | {sms * mult} | {g:.2f} | {h:.1f} | {r:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

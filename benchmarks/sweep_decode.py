@@ -1,0 +1,109 @@
+"""Launch-parameter sweep of the decode kernel on a few large shapes (for NOTES.md).
+
+    python benchmarks/sweep_decode.py [--quick]
+
+Times ``paged_decode`` with a precomputed plan (``do_bench`` median; each shape's KV is far
+larger than L2) for each grid multiplier x tile config, and prints GB/s and % of the read
+ceiling measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton.testing
+
+import pagedattn
+from benchmarks.ceiling import measure_read_gbps
+from pagedattn.tuning.launch import DecodeLaunchConfig
+
+FP8 = torch.float8_e4m3fn
+
+
+def kv_bytes(lens, heads, head_dim, elem, per_token):
+    tokens = sum(lens)
+    return tokens * heads * head_dim * 2 * elem + (tokens * heads * 2 * 4 if per_token else 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="128x8192x1,128x8192x4,16x32768x1")
+    parser.add_argument("--scale", default="per_tensor")
+    parser.add_argument("--mults", default="1,2,4")
+    parser.add_argument("--block-n", default="64,128")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--prefetch", default="1,0")
+    parser.add_argument("--stages", default="2")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ceiling, _ = measure_read_gbps(device=device)
+    print(f"read ceiling {ceiling:.0f} GB/s")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for shape in args.shapes.split(","):
+        batch, context, query_len = (int(x) for x in shape.split("x"))
+        lens = [context] * batch
+        cache = pagedattn.build_paged_cache(
+            lens,
+            num_kv_heads=1,
+            head_dim=128,
+            page_size=1024,
+            kv_dtype=FP8,
+            kv_scale=args.scale,
+            device=device,
+            generator=gen,
+        )
+        q = torch.randn(batch * query_len, 16, 128, generator=gen, device=device)
+        q = q.to(torch.bfloat16)
+        nbytes = kv_bytes(lens, 1, 128, 1, args.scale == "per_token")
+        a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+        kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        best = None
+        for mult, bn, warps, pf, st in itertools.product(
+            [int(x) for x in args.mults.split(",")],
+            [int(x) for x in args.block_n.split(",")],
+            [int(x) for x in args.warps.split(",")],
+            [bool(int(x)) for x in args.prefetch.split(",")],
+            [int(x) for x in args.stages.split(",")],
+        ):
+            plan = pagedattn.plan_decode(
+                cache.seq_lens,
+                num_q_heads=16,
+                num_kv_heads=1,
+                head_dim=128,
+                page_size=1024,
+                query_len=query_len,
+                kv_dtype=FP8,
+                kv_scale=args.scale,
+                num_programs=sms * mult,
+            )
+            cfg = DecodeLaunchConfig(block_n=bn, num_warps=warps, num_stages=st, prefetch=pf)
+            try:
+                ms = triton.testing.do_bench(
+                    lambda plan=plan, cfg=cfg, a=a, kw=kw: pagedattn.paged_decode(
+                        *a, plan=plan, launch_config=cfg, **kw
+                    ),
+                    warmup=20,
+                    rep=100,
+                    return_mode="median",
+                )
+            except Exception as exc:  # a config that does not compile (shared memory, ...)
+                print(f"{shape} mult {mult} {cfg}: failed: {type(exc).__name__}: {exc}"[:200])
+                continue
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            row = (shape, mult, bn, warps, pf, st, ms * 1e3, gbps, 100 * gbps / ceiling)
+            rows.append(row)
+            if best is None or row[6] < best[6]:
+                best = row
+        print("best:", best)
+    print("| shape | mult | block_n | warps | prefetch | stages | µs | GB/s | % read |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,492 @@
+"""The benchmark's GPU-free parts: presets, KV-byte accounting, provider registry and checks,
+CSV/markdown/plot writing, the read-ceiling kernel (interpreter on CPU), and the command line.
+
+Timing itself (CUDA graphs, events, do_bench) needs a GPU and is exercised by running the
+benchmark there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+
+from pagedattn import bench
+
+run = bench.load_benchmarks()
+cases = importlib.import_module(f"{bench.PACKAGE_NAME}.cases")
+providers = importlib.import_module(f"{bench.PACKAGE_NAME}.providers")
+report = importlib.import_module(f"{bench.PACKAGE_NAME}.report")
+timing = importlib.import_module(f"{bench.PACKAGE_NAME}.timing")
+ceiling = importlib.import_module(f"{bench.PACKAGE_NAME}.ceiling")
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+# -- cases --
+
+
+def test_seed_grid_has_the_seed_shapes():
+    seed = cases.seed_cases()
+    fixed = [c for c in seed if c.ragged is None]
+    ragged = [c for c in seed if c.ragged is not None]
+    assert len(fixed) == 5 * 3 * 2 * 2 and len(ragged) == 2 * 2
+    assert len(set(seed)) == len(seed)
+    for c in seed:
+        assert (c.num_q_heads, c.num_kv_heads, c.head_dim) == (16, 1, 128)
+        assert (c.q_dtype, c.kv_dtype, c.page_size) == ("bf16", "fp8", 1024)
+    grid = {(c.batch, c.context, c.query_len, c.kv_scale) for c in fixed}
+    assert grid == {
+        (b, n, q, s)
+        for b in (1, 16, 64, 128, 256)
+        for n in (1024, 8192, 32768)
+        for q in (1, 4)
+        for s in ("per_tensor", "per_token")
+    }
+    assert {(c.batch, c.ragged, c.query_len, c.kv_scale) for c in ragged} == {
+        (64, (256, 32768), q, s) for q in (1, 4) for s in ("per_tensor", "per_token")
+    }
+
+
+def test_seed_cases_sharing_a_cache_are_adjacent():
+    keys = [c.cache_key for c in cases.seed_cases()]
+    runs = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+    assert len(runs) == len(set(keys))
+
+
+def test_ragged_lengths_are_reproducible_and_in_range():
+    a = cases.ragged_case().seq_lens()
+    b = cases.ragged_case(query_len=4).seq_lens()
+    assert a == b
+    assert len(a) == 64 and min(a) >= 256 and max(a) <= 32768
+    expected = np.random.default_rng(0).integers(256, 32768, size=64, endpoint=True)
+    assert a == expected.tolist()
+    assert len(set(a)) > 32  # really ragged
+    assert cases.ragged_case().context == round(sum(a) / 64)
+    assert cases.ragged_case(seed=1).seq_lens() != a
+
+
+def test_quick_is_part_of_seed_and_full_holds_seed_bf16_and_page16():
+    seed = set(cases.seed_cases())
+    quick = cases.preset_cases("quick")
+    assert 4 <= len(quick) <= 16 and set(quick) <= seed
+    full = cases.preset_cases("full")
+    assert seed <= set(full)
+    bf16 = [c for c in full if c.kv_dtype == "bf16"]
+    page16 = [c for c in full if c.page_size == 16]
+    assert bf16 and all(c.kv_scale is None for c in bf16)
+    assert page16 and all(c.kv_dtype == "fp8" for c in page16)
+    with pytest.raises(ValueError, match="preset: expected one of"):
+        cases.preset_cases("huge")
+
+
+def test_flags_replace_the_preset_by_their_grid():
+    picked = cases.select_cases(
+        "seed", batches=[2, 3], kv_dtypes=["bf16", "fp8"], kv_scales=["per_token"], query_lens=[1]
+    )
+    assert {(c.batch, c.context, c.kv_dtype, c.kv_scale) for c in picked} == {
+        (b, n, d, s)
+        for b in (2, 3)
+        for n in cases.SEED_CONTEXTS
+        for d, s in (("bf16", None), ("fp8", "per_token"))
+    }
+    assert all(c.query_len == 1 and c.page_size == 1024 for c in picked)
+    with_ragged = cases.select_cases(batches=[8], contexts=[512], ragged=True)
+    assert sum(c.ragged is not None for c in with_ragged) == 2  # q_len 1 and 4
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("kv_scale", None, "kv_scale: expected one of"),
+        ("context", 2, "must be >= query_len"),
+        ("kv_dtype", "int8", "kv_dtype: expected one of"),
+        ("num_q_heads", 3, "multiple of num_kv_heads"),
+    ],
+)
+def test_bad_case_is_a_value_error(field, value, match):
+    fields = dict(batch=1, context=16, query_len=4, num_kv_heads=2, num_q_heads=4)
+    fields[field] = value
+    with pytest.raises(ValueError, match=match):
+        cases.Case(**fields)
+
+
+def test_kv_bytes():
+    case = cases.Case(batch=16, context=8192)
+    assert cases.kv_bytes(case) == 16 * 8192 * 1 * 128 * 2 * 1  # 33.6 MB, as in PEERS.md
+    per_token = dataclasses.replace(case, kv_scale="per_token")
+    assert cases.kv_bytes(per_token) == cases.kv_bytes(case) + 2 * 4 * 16 * 8192 * 1
+    bf16 = dataclasses.replace(case, kv_dtype="bf16", kv_scale=None, num_kv_heads=2, num_q_heads=16)
+    assert cases.kv_bytes(bf16) == 16 * 8192 * 2 * 128 * 2 * 2
+    ragged = cases.ragged_case()
+    assert cases.kv_bytes(ragged) == sum(ragged.seq_lens()) * 128 * 2
+
+
+def test_memory_cap_drops_big_cases_with_a_reason():
+    small, big = cases.Case(batch=1, context=1024), cases.Case(batch=256, context=32768)
+    kept, reasons = cases.split_by_memory([small, big], mem_cap_gb=1.0)
+    assert kept == [small]
+    assert (
+        len(reasons) == 1 and "exceeds the 1 GB cap" in reasons[0] and "256 x 32768" in reasons[0]
+    )
+
+
+# -- timing helpers --
+
+
+def test_rotation_copies():
+    mb = 2**20
+    assert timing.rotation_copies(64 * mb) == 4  # 256 MB in all
+    assert timing.rotation_copies(2000 * mb) == 2  # never fewer than 2 when they fit
+    assert timing.rotation_copies(1) == timing.MAX_COPIES
+    assert timing.rotation_copies(64 * mb, budget_bytes=130 * mb) == 2
+    assert timing.rotation_copies(2000 * mb, budget_bytes=mb) == 1
+
+
+def test_summarize_gives_median_and_quantiles():
+    t = timing.summarize([float(x) for x in range(1, 102)], "m")
+    assert (t.us_p50, t.us_p20, t.us_p80, t.method) == (51.0, 21.0, 81.0, "m")
+    with pytest.raises(ValueError, match="at least one sample"):
+        timing.summarize([], "m")
+
+
+# -- providers --
+
+
+def test_registry_names_and_roles():
+    assert list(providers.PROVIDERS) == [
+        "pagedattn",
+        "pagedattn-decode",
+        "flashinfer",
+        "torch-reference",
+    ]
+    for name, provider in providers.PROVIDERS.items():
+        assert provider.name == name
+        ok, why = provider.available()
+        assert isinstance(ok, bool) and isinstance(why, str)
+    assert providers.peers() == ["flashinfer"]
+    assert providers.ours() == ["pagedattn", "pagedattn-decode"]
+    assert not providers.PROVIDERS["torch-reference"].timed
+
+
+def test_flashinfer_absent_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    ok, why = providers.PROVIDERS["flashinfer"].available()
+    assert not ok
+    assert why.startswith("flashinfer not installed")
+    assert providers.PROVIDERS["flashinfer"].version() == ""
+
+
+def test_flashinfer_skips_per_token_scales():
+    fi = providers.PROVIDERS["flashinfer"]
+    ok, why = fi.supports(cases.Case(batch=1, context=64, kv_scale="per_token"))
+    assert not ok and why.startswith("unsupported")
+    assert fi.supports(cases.Case(batch=1, context=64))[0]
+
+
+def test_unknown_provider_is_a_usage_error():
+    with pytest.raises(run.UsageError, match="unknown"):
+        run.resolve_providers("pagedattn,vllm")
+    assert run.resolve_providers(None) == ["pagedattn", "pagedattn-decode", "flashinfer"]
+    assert run.resolve_providers("flashinfer, pagedattn") == ["pagedattn", "flashinfer"]
+
+
+def _tiny(**fields) -> cases.Case:
+    base = dict(
+        batch=3,
+        context=40,
+        query_len=2,
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        kv_scale="per_token",
+    )
+    return cases.Case(**{**base, **fields})
+
+
+def _inputs(case: cases.Case, copies: int = 2):
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cache = run.make_cache(case, DEVICE, gen)
+    return run.make_inputs(case, cache, run.make_copies(cache, copies), gen)
+
+
+def test_cache_for_ragged_lengths_is_finite_everywhere():
+    inputs = _inputs(_tiny(batch=4, context=40, ragged=(17, 40)))
+    assert any(n % 16 for n in inputs.seq_lens.tolist())
+    for copy in inputs.copies:
+        for t in (copy.k_cache, copy.v_cache, copy.k_scale, copy.v_scale):
+            assert bool(torch.isfinite(t.float()).all())
+    first, second = inputs.copies
+    assert first.k_cache.data_ptr() != second.k_cache.data_ptr()
+    assert torch.equal(first.k_cache.view(torch.uint8), second.k_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["pagedattn", "pagedattn-decode"])
+def test_ours_passes_the_reference_check(name, monkeypatch):
+    monkeypatch.setattr(providers, "PLAN_SAMPLES", 1)
+    inputs = _inputs(_tiny(ragged=(17, 40)))
+    ref = run.reference_output(inputs)
+    fields = run.check_and_time(providers.PROVIDERS[name], inputs, ref, time_it=False)
+    assert fields["method"] == "checked, not timed"
+    assert fields["rel_err"] < run.ERROR_BOUNDS["fp8"]
+    assert fields["plan_host_us"] > 0
+
+
+class _ZerosProvider(providers.Provider):
+    name = "zeros"
+
+    def prepare(self, inputs):
+        return providers.Prepared(lambda copy: lambda: torch.zeros_like(inputs.q))
+
+
+def test_wrong_provider_is_reported_and_not_timed():
+    inputs = _inputs(_tiny(kv_dtype="bf16", kv_scale=None))
+    ref = run.reference_output(inputs)
+    fields = run.check_and_time(_ZerosProvider(), inputs, ref)  # would need a GPU if timed
+    assert fields["method"].startswith("WRONG: rel_err")
+    assert "us_p50" not in fields
+    assert fields["rel_err"] == pytest.approx(1.0)
+
+
+def test_sweep_checks_every_provider_and_reports_failures(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(providers, "PLAN_SAMPLES", 1)
+    monkeypatch.setitem(providers.PROVIDERS, "zeros", _ZerosProvider())
+    both = [_tiny(query_len=1, ragged=(17, 40)), _tiny(query_len=2, ragged=(17, 40))]
+    names = ["pagedattn", "zeros"]
+    env = run.environment(None)
+    rows, failures = run.sweep(
+        both, names, device=DEVICE, ceilings=run.Ceilings(1.0, 1.0), env=env, time_it=False
+    )
+    assert [(r["provider"], r["query_len"]) for r in rows] == [
+        ("pagedattn", 1),
+        ("zeros", 1),
+        ("pagedattn", 2),
+        ("zeros", 2),
+    ]
+    assert all(r["method"] == "checked, not timed" for r in rows if r["provider"] == "pagedattn")
+    assert len(failures) == 2 and all(f.startswith("zeros on ") for f in failures)
+    status = run.finish(
+        rows, failures, providers=names, env=env, out_dir=tmp_path, name="t", plots=False
+    )
+    assert status == 1
+    out = capsys.readouterr().out
+    assert "2 FAILED" in out and "WRONG" in out
+    assert len(report.read_csv(tmp_path / "t.csv")) == 4
+    assert (tmp_path / "t.md").read_text().count("| checked | WRONG |") == 2
+
+
+def test_unsupported_case_is_skipped_before_prepare():
+    inputs = _inputs(_tiny())
+    fields = run.check_and_time(providers.PROVIDERS["flashinfer"], inputs, ref=None)
+    assert fields == {"method": "skipped: unsupported: FlashInfer takes per-tensor FP8 scales only"}
+
+
+def test_rel_error():
+    ref = torch.ones(2, 3, dtype=torch.float64)
+    assert run.rel_error(ref * 1.01, ref) == pytest.approx(0.01)
+    assert run.rel_error(torch.full_like(ref, float("nan")), ref) == math.inf
+    with pytest.raises(ValueError, match="expected shape"):
+        run.rel_error(ref[0], ref)
+
+
+# -- ceiling kernel --
+
+
+@pytest.mark.parametrize("n", [3 * 64, 3 * 64 + 5])
+def test_read_kernel_sums_every_element_once(n):
+    x = torch.rand(n, dtype=torch.float32, device=DEVICE)
+    config = ceiling.ReadConfig(block=64, num_warps=4, programs_per_sm=1)
+    partials = ceiling.read_partials(x, config, num_programs=2)
+    assert partials.shape == (2,)
+    torch.testing.assert_close(partials.sum(), x.sum(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        ceiling.read_partials(x.double(), config, 2)
+
+
+# -- report --
+
+ENV = dict(
+    gpu="NVIDIA H200",
+    torch="2.x",
+    triton="3.6",
+    pagedattn="0.1.0",
+    flashinfer="0.6.6",
+    date="2026-11-30T00:00:00+00:00",
+    read_ceiling_gbps=4500.0,
+    copy_ceiling_gbps=4250.0,
+)
+
+
+def _fake_rows() -> list[dict]:
+    rows = []
+    per_tensor = cases.Case(batch=16, context=8192)
+    per_token = dataclasses.replace(per_tensor, kv_scale="per_token")
+    ragged = cases.ragged_case(query_len=4)
+    for case, times in (
+        (per_tensor, {"pagedattn": 20.0, "pagedattn-decode": 18.0, "flashinfer": 35.0}),
+        (per_token, {"pagedattn": 22.0, "pagedattn-decode": 20.0, "flashinfer": None}),
+        (ragged, {"pagedattn": 100.0, "pagedattn-decode": None, "flashinfer": 300.0}),
+    ):
+        for provider, us in times.items():
+            row = {"provider": provider, **run.case_fields(case), **ENV, "rel_err": 1e-3}
+            if us is None and provider == "flashinfer":
+                row["method"] = "skipped: unsupported: per-token"
+                row["rel_err"] = None
+            elif us is None:
+                row["method"] = "WRONG: rel_err 0.5 > 0.02, not timed"
+                row["rel_err"] = 0.5
+            else:
+                row.update(us_p50=us, us_p20=us * 0.95, us_p80=us * 1.05, method="cuda-graph")
+                row["plan_host_us"] = 12.5
+            run.add_bandwidth(row, case, run.Ceilings(read_gbps=4500.0, copy_gbps=4250.0))
+            rows.append(row)
+    report.add_ratios(rows, providers.peers(), ours=providers.ours())
+    return rows
+
+
+def test_ratios_are_peer_time_over_ours():
+    rows = {(r["provider"], r["kv_scale"], r["seq_lens"]): r for r in _fake_rows()}
+    assert rows["pagedattn", "per_tensor", "fixed"]["ratio_vs_flashinfer"] == pytest.approx(1.75)
+    assert rows["pagedattn-decode", "per_tensor", "fixed"]["ratio_vs_flashinfer"] == pytest.approx(
+        35.0 / 18.0
+    )
+    assert rows["flashinfer", "per_tensor", "fixed"]["ratio_vs_flashinfer"] is None
+    assert rows["pagedattn", "per_token", "fixed"]["ratio_vs_flashinfer"] is None
+    bw = rows["pagedattn", "per_tensor", "fixed"]
+    assert bw["gbps"] == pytest.approx(16 * 8192 * 256 / 20.0 / 1e3)
+    assert bw["pct_read_ceiling"] == pytest.approx(100 * bw["gbps"] / 4500.0)
+
+
+def test_csv_has_the_columns_and_round_trips(tmp_path):
+    rows = _fake_rows()
+    path = report.write_csv(rows, tmp_path / "sub" / "x.csv", providers.peers())
+    back = report.read_csv(path)
+    assert len(back) == len(rows)
+    required = [
+        "provider",
+        "method",
+        "batch",
+        "context",
+        "query_len",
+        "kv_dtype",
+        "kv_scale",
+        "page_size",
+        "num_q_heads",
+        "num_kv_heads",
+        "head_dim",
+        "kv_mb",
+        "us_p50",
+        "us_p20",
+        "us_p80",
+        "gbps",
+        "pct_read_ceiling",
+        "ratio_vs_flashinfer",
+        "plan_host_us",
+        "rel_err",
+        "gpu",
+        "torch",
+        "triton",
+        "pagedattn",
+        "flashinfer",
+        "date",
+    ]
+    header = list(back[0])
+    assert [c for c in header if c in required] == required  # all there, in this order
+    first = back[0]
+    assert first["provider"] == "pagedattn" and float(first["us_p50"]) == 20.0
+    assert float(first["ratio_vs_flashinfer"]) == pytest.approx(1.75)
+    skipped = next(r for r in back if r["method"].startswith("skipped"))
+    assert skipped["us_p50"] == "" and skipped["gbps"] == ""
+
+
+def test_markdown_table_has_one_row_per_case(tmp_path):
+    rows = _fake_rows()
+    names = ["pagedattn", "pagedattn-decode", "flashinfer"]
+    path = report.write_markdown(
+        rows, tmp_path / "x.md", providers=names, peers=["flashinfer"], main="pagedattn", env=ENV
+    )
+    text = path.read_text()
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 3
+    assert "pagedattn vs flashinfer" in table[0] and "NVIDIA H200" in text
+    assert "| 16 x 8192 | 1 | fp8 per_tensor | 1024 | 33.6 | 20.0 (" in table[2]
+    assert "1.75x" in table[2]
+    assert "skipped" in table[3] and "WRONG" in table[4] and "64 x 256..32768" in table[4]
+    summary = report.summary_text(rows, names, ["flashinfer"], "pagedattn")
+    assert len(summary.splitlines()) == 4 and "vs flashinfer" in summary
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install .[bench])")
+    names = ["pagedattn", "pagedattn-decode", "flashinfer"]
+    files = report.write_plots(_fake_rows(), tmp_path, "x", names)
+    assert [f.name for f in files] == ["x_time.png", "x_ceiling.png"]
+    for f in files:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- command line --
+
+
+def test_bench_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--preset", "--out", "--providers", "--no-plots", "--repeats", "--batch"):
+        assert option in out
+
+
+def test_pagedattn_bench_help_from_the_command_line():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedattn", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: pagedattn bench" in result.stdout
+
+
+def test_list_cases_needs_no_gpu(capsys):
+    assert bench.main(["--preset", "quick", "--list-cases"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith(f"{len(cases.preset_cases('quick'))} cases")
+
+
+def test_bad_flag_values_are_usage_errors(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--batch", "1,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert bench.main(["--context", "2", "--query-len", "4", "--list-cases"]) == 2
+    assert "must be >= query_len" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_run_without_gpu_fails_loudly(capsys):
+    assert bench.main(["--preset", "quick", "--no-plots"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_missing_benchmarks_folder_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "site" / "pagedattn" / "bench.py"))
+    monkeypatch.delenv(bench.BENCHMARKS_ENV, raising=False)
+    with pytest.raises(FileNotFoundError, match="benchmarks/ folder was not found"):
+        bench.find_benchmarks_dir()
+    monkeypatch.setenv(bench.BENCHMARKS_ENV, str(Path(run.__file__).parent))
+    assert bench.find_benchmarks_dir() == Path(run.__file__).parent
