@@ -34,7 +34,8 @@ def main() -> None:
     parser.add_argument("--mults", default="1,2,4")
     parser.add_argument("--block-n", default="64,128")
     parser.add_argument("--warps", default="4,8")
-    parser.add_argument("--prefetch", default="1,0")
+    parser.add_argument("--tma", default="1")
+    parser.add_argument("--q-dtype", default="bfloat16")
     parser.add_argument("--stages", default="2")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -57,7 +58,7 @@ def main() -> None:
             generator=gen,
         )
         q = torch.randn(batch * query_len, 16, 128, generator=gen, device=device)
-        q = q.to(torch.bfloat16)
+        q = q.to(getattr(torch, args.q_dtype))
         nbytes = kv_bytes(lens, 1, 128, 1, args.scale == "per_token")
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
@@ -66,7 +67,7 @@ def main() -> None:
             [int(x) for x in args.mults.split(",")],
             [int(x) for x in args.block_n.split(",")],
             [int(x) for x in args.warps.split(",")],
-            [bool(int(x)) for x in args.prefetch.split(",")],
+            [bool(int(x)) for x in args.tma.split(",")],
             [int(x) for x in args.stages.split(",")],
         ):
             plan = pagedattn.plan_decode(
@@ -80,7 +81,7 @@ def main() -> None:
                 kv_scale=args.scale,
                 num_programs=sms * mult,
             )
-            cfg = DecodeLaunchConfig(block_n=bn, num_warps=warps, num_stages=st, prefetch=pf)
+            cfg = DecodeLaunchConfig(block_n=bn, num_warps=warps, num_stages=st, tma=pf)
             try:
                 ms = triton.testing.do_bench(
                     lambda plan=plan, cfg=cfg, a=a, kw=kw: pagedattn.paged_decode(
@@ -99,7 +100,7 @@ def main() -> None:
             if best is None or row[6] < best[6]:
                 best = row
         print("best:", best)
-    print("| shape | mult | block_n | warps | prefetch | stages | µs | GB/s | % read |")
+    print("| shape | mult | block_n | warps | tma | stages | µs | GB/s | % read |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")

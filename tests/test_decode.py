@@ -90,12 +90,19 @@ CASES = {
     ),
     "default-grid": Case((40, 90), num_programs=None, partition_size=None),
     "one-token": Case((1,)),
-    "no-prefetch-fp8-token": Case(
+    "gather-path-fp8-token": Case(
         (70, 5),
         kv_dtype=FP8,
         kv_scale="per_token",
         query_len=2,
-        launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, prefetch=False),
+        launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, tma=False),
+    ),
+    "gather-path-hnd-page64": Case(
+        (130, 64),
+        page_size=64,
+        kv_layout="HND",
+        partition_size=64,
+        launch=DecodeLaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=False),
     ),
     "block-n-128-page16": Case(
         (300, 40),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import checks
 from ._kernels.common import interpreting
@@ -135,6 +136,35 @@ def _cache_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, 
     """Strides as (page, slot, head, dim) whatever the layout."""
     s = cache.stride()
     return (s[0], s[1], s[2], s[3]) if kv_layout == "NHD" else (s[0], s[2], s[1], s[3])
+
+
+def _tma_descriptors(k_cache, v_cache, kv_layout, page_size, block_n):
+    """Bulk-copy descriptors over K and V as [num_pages, page_size, num_kv_heads, head_dim],
+    or None where the hardware's rules (16-byte aligned base and strides, unit stride on
+    head_dim) or the tile shape (whole tiles inside a page, >= 16 tokens) rule them out."""
+    if page_size < 16 or block_n > page_size:
+        return None
+    descriptors = []
+    for cache in (k_cache, v_cache):
+        strides = _cache_strides(cache, kv_layout)
+        if strides[3] != 1 or cache.data_ptr() % 16:
+            return None
+        if any(stride * cache.element_size() % 16 for stride in strides[:3]):
+            return None
+        num_pages, heads, head_dim = (
+            cache.shape[0],
+            cache.shape[2 if kv_layout == "NHD" else 1],
+            cache.shape[3],
+        )
+        descriptors.append(
+            TensorDescriptor(
+                cache,
+                shape=[num_pages, page_size, heads, head_dim],
+                strides=list(strides),
+                block_shape=[1, block_n, 1, head_dim],
+            )
+        )
+    return descriptors
 
 
 def _scale_strides(scale: torch.Tensor | None, kv_layout: str) -> tuple[int, int, int]:
@@ -266,8 +296,17 @@ def paged_decode(
         kv_dtype=shape.kv_dtype,
         partition_size=plan.partition_size,
     )
-    # Tiles never straddle a partition (works start on partition boundaries).
+    # Tiles never straddle a partition (works start on partition boundaries), nor, on the
+    # bulk-copy path, a page.
     block_n = min(config.block_n, plan.partition_size)
+    descriptors = None
+    if config.tma and shape.num_pages > 0:
+        descriptors = _tma_descriptors(
+            k_cache, v_cache, kv_layout, shape.page_size, min(block_n, shape.page_size)
+        )
+        if descriptors is not None:
+            block_n = min(block_n, shape.page_size)
+    k_desc, v_desc = descriptors or (k_cache, v_cache)
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
     lse_stride = lse.stride(0) if lse is not None else 0
     # Without scales the kernel never reads these pointers; any tensor will do.
@@ -276,6 +315,8 @@ def paged_decode(
     _decode_kernel[(plan.num_programs,)](
         q,
         *q.stride(),
+        k_desc,
+        v_desc,
         k_cache,
         *_cache_strides(k_cache, kv_layout),
         v_cache,
@@ -308,7 +349,7 @@ def paged_decode(
         HAS_WINDOW=sliding_window is not None,
         WRITE_LSE=return_lse,
         DOT_FP32=interpreting(),
-        PREFETCH=config.prefetch,
+        USE_TMA=descriptors is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

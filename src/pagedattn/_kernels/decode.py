@@ -25,77 +25,13 @@ SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
 
 
 @triton.jit
-def _load_kv_tile(
-    k_ptr,
-    stride_k_page,
-    stride_k_slot,
-    stride_k_head,
-    stride_k_dim,
-    v_ptr,
-    stride_v_page,
-    stride_v_slot,
-    stride_v_head,
-    stride_v_dim,
-    k_scale_ptr,
-    stride_ks_page,
-    stride_ks_slot,
-    stride_ks_head,
-    v_scale_ptr,
-    stride_vs_page,
-    stride_vs_slot,
-    stride_vs_head,
-    bt_row,
-    stride_bt_col,
-    start,
-    token_end,
-    kv_head,
-    offs_n,
-    offs_d,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-):
-    """K and V tile (and per-token scales) of tokens ``start + offs_n`` below ``token_end``.
-
-    Fully masked past the end (no memory traffic), so a prefetch of the tile after the last is
-    harmless. Offsets are int64: caches pass 2^31 bytes.
-    """
-    tok = start + offs_n
-    tok_ok = tok < token_end
-    if PAGE_SIZE >= BLOCK_N:
-        # Tiles are BLOCK_N-aligned, so one page holds the whole tile.
-        page = tl.load(
-            bt_row + (start // PAGE_SIZE) * stride_bt_col, mask=start < token_end, other=0
-        )
-    else:
-        page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col, mask=tok_ok, other=0)
-    page = page.to(tl.int64)
-    slot = tok % PAGE_SIZE
-    k_row = page * stride_k_page + slot * stride_k_slot + kv_head * stride_k_head
-    v_row = page * stride_v_page + slot * stride_v_slot + kv_head * stride_v_head
-    k = tl.load(
-        k_ptr + k_row[:, None] + offs_d[None, :] * stride_k_dim, mask=tok_ok[:, None], other=0.0
-    )
-    v = tl.load(
-        v_ptr + v_row[:, None] + offs_d[None, :] * stride_v_dim, mask=tok_ok[:, None], other=0.0
-    )
-    if SCALE_MODE == 2:
-        ks_row = page * stride_ks_page + slot * stride_ks_slot + kv_head * stride_ks_head
-        vs_row = page * stride_vs_page + slot * stride_vs_slot + kv_head * stride_vs_head
-        ks = tl.load(k_scale_ptr + ks_row, mask=tok_ok, other=0.0)
-        vs = tl.load(v_scale_ptr + vs_row, mask=tok_ok, other=0.0)
-    else:
-        ks = tl.zeros([BLOCK_N], tl.float32)
-        vs = tl.zeros([BLOCK_N], tl.float32)
-    return k, v, ks, vs
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,  # [batch * query_len, num_q_heads, head_dim]
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
+    k_desc,  # TensorDescriptor over K as [num_pages, page_size, num_kv_heads, head_dim] (USE_TMA)
+    v_desc,
     k_ptr,  # paged K cache; strides given per logical axis, so NHD and HND are the same code
     stride_k_page,
     stride_k_slot,
@@ -139,7 +75,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     pid = tl.program_id(0)
@@ -200,109 +136,53 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-        if PREFETCH:
-            k, v, ks, vs = _load_kv_tile(
-                k_ptr,
-                stride_k_page,
-                stride_k_slot,
-                stride_k_head,
-                stride_k_dim,
-                v_ptr,
-                stride_v_page,
-                stride_v_slot,
-                stride_v_head,
-                stride_v_dim,
-                k_scale_ptr,
-                stride_ks_page,
-                stride_ks_slot,
-                stride_ks_head,
-                v_scale_ptr,
-                stride_vs_page,
-                stride_vs_slot,
-                stride_vs_head,
-                bt_row,
-                stride_bt_col,
-                lo,
-                token_end,
-                kv_head,
-                offs_n,
-                offs_d,
-                PAGE_SIZE,
-                BLOCK_N,
-                SCALE_MODE,
-            )
         for start in range(lo, token_end, BLOCK_N):
-            # -- K/V tile (PREFETCH: this tile came last iteration; issue the next one now) --
-            if PREFETCH:
-                k_cur, v_cur, ks_cur, vs_cur = k, v, ks, vs
-                k, v, ks, vs = _load_kv_tile(
-                    k_ptr,
-                    stride_k_page,
-                    stride_k_slot,
-                    stride_k_head,
-                    stride_k_dim,
-                    v_ptr,
-                    stride_v_page,
-                    stride_v_slot,
-                    stride_v_head,
-                    stride_v_dim,
-                    k_scale_ptr,
-                    stride_ks_page,
-                    stride_ks_slot,
-                    stride_ks_head,
-                    v_scale_ptr,
-                    stride_vs_page,
-                    stride_vs_slot,
-                    stride_vs_head,
-                    bt_row,
-                    stride_bt_col,
-                    start + BLOCK_N,
-                    token_end,
-                    kv_head,
-                    offs_n,
-                    offs_d,
-                    PAGE_SIZE,
-                    BLOCK_N,
-                    SCALE_MODE,
-                )
-            else:
-                k_cur, v_cur, ks_cur, vs_cur = _load_kv_tile(
-                    k_ptr,
-                    stride_k_page,
-                    stride_k_slot,
-                    stride_k_head,
-                    stride_k_dim,
-                    v_ptr,
-                    stride_v_page,
-                    stride_v_slot,
-                    stride_v_head,
-                    stride_v_dim,
-                    k_scale_ptr,
-                    stride_ks_page,
-                    stride_ks_slot,
-                    stride_ks_head,
-                    v_scale_ptr,
-                    stride_vs_page,
-                    stride_vs_slot,
-                    stride_vs_head,
-                    bt_row,
-                    stride_bt_col,
-                    start,
-                    token_end,
-                    kv_head,
-                    offs_n,
-                    offs_d,
-                    PAGE_SIZE,
-                    BLOCK_N,
-                    SCALE_MODE,
-                )
             tok = start + offs_n
             tok_ok = tok < token_end
+            # -- locate the tile in the paged cache --
+            if PAGE_SIZE >= BLOCK_N:
+                # Tiles are BLOCK_N-aligned, so one page holds the whole tile.
+                page = tl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
+            else:
+                page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col, mask=tok_ok, other=0)
+            slot_in_page = tok % PAGE_SIZE
+            page64 = page.to(tl.int64)  # caches pass 2^31 bytes
+            if USE_TMA:
+                # Bulk tensor copies of the page-contiguous tile; Triton pipelines them through
+                # shared memory. Slots past token_end are read (they lie in the same page) and
+                # may hold garbage: K's are masked out of S below, V's are zeroed here.
+                at = [page, start % PAGE_SIZE, kv_head, 0]
+                k = k_desc.load(at).reshape(BLOCK_N, HEAD_DIM)
+                v = v_desc.load(at).reshape(BLOCK_N, HEAD_DIM)
+                v = tl.where(tok_ok[:, None], v.to(pv_dtype), 0.0)
+            else:
+                k_row = (
+                    page64 * stride_k_page + slot_in_page * stride_k_slot + kv_head * stride_k_head
+                )
+                v_row = (
+                    page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
+                )
+                k = tl.load(
+                    k_ptr + k_row[:, None] + offs_d[None, :] * stride_k_dim,
+                    mask=tok_ok[:, None],
+                    other=0.0,
+                )
+                v = tl.load(
+                    v_ptr + v_row[:, None] + offs_d[None, :] * stride_v_dim,
+                    mask=tok_ok[:, None],
+                    other=0.0,
+                )
 
             # -- scores: S = Q K^T, in log2 units --
-            s = dot_any(q, tl.trans(k_cur.to(compute_dtype)), DOT_FP32)
+            s = dot_any(q, tl.trans(k.to(compute_dtype)), DOT_FP32)
             if SCALE_MODE == 2:
-                s = s * (ks_cur * qk_scale)[None, :]
+                ks_row = (
+                    page64 * stride_ks_page
+                    + slot_in_page * stride_ks_slot
+                    + kv_head * stride_ks_head
+                )
+                ks = tl.load(k_scale_ptr + ks_row, mask=tok_ok, other=0.0)
+                s = s * (ks * qk_scale)[None, :]
             else:
                 s = s * (qk_scale * k_scale)
             valid = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
@@ -320,13 +200,19 @@ def _decode_kernel(
 
             # -- accumulate P V --
             if SCALE_MODE == 2:
+                vs_row = (
+                    page64 * stride_vs_page
+                    + slot_in_page * stride_vs_slot
+                    + kv_head * stride_vs_head
+                )
+                vs = tl.load(v_scale_ptr + vs_row, mask=tok_ok, other=0.0)
                 # Normalise by the tile's largest scale so p * vs stays out of fp16 subnormals.
-                vs_max = tl.max(vs_cur, axis=0)
+                vs_max = tl.max(vs, axis=0)
                 vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
-                p_v = (p * (vs_cur / vs_max)[None, :]).to(pv_dtype)
-                acc = acc * alpha[:, None] + dot_any(p_v, v_cur.to(pv_dtype), DOT_FP32) * vs_max
+                p_v = (p * (vs / vs_max)[None, :]).to(pv_dtype)
+                acc = acc * alpha[:, None] + dot_any(p_v, v.to(pv_dtype), DOT_FP32) * vs_max
             else:
-                acc = acc * alpha[:, None] + dot_any(p.to(pv_dtype), v_cur.to(pv_dtype), DOT_FP32)
+                acc = acc * alpha[:, None] + dot_any(p.to(pv_dtype), v.to(pv_dtype), DOT_FP32)
 
         # -- epilogue: final rows to out, or a partial for the reducer --
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)

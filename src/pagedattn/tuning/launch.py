@@ -21,14 +21,14 @@ class DecodeLaunchConfig:
     block_n: int  # KV tokens per tile (capped at the partition size)
     num_warps: int
     num_stages: int
-    prefetch: bool = True  # load the next K/V tile while computing this one
+    tma: bool = True  # bulk tensor copies of page-contiguous tiles where the cache allows
 
 
 def decode_launch_config(
     *, head_dim: int, rows: int, kv_dtype: torch.dtype, partition_size: int
 ) -> DecodeLaunchConfig:
     """Tile shape for the decode kernel; ``block_n`` never exceeds the partition."""
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = 128 if head_dim <= 128 else 64
     num_warps = 4 if rows <= 16 else 8
     return DecodeLaunchConfig(block_n=block_n, num_warps=num_warps, num_stages=3)
 
