@@ -350,6 +350,7 @@ def paged_decode(
         WRITE_LSE=return_lse,
         DOT_FP32=interpreting(),
         USE_TMA=descriptors is not None,
+        QK_FP16=shape.kv_dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -25,6 +25,147 @@ SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
 
 
 @triton.jit
+def _attend_tile(
+    m_i,
+    l_i,
+    acc,
+    q,
+    q_row_scale,
+    pos,
+    start,
+    token_end,
+    window,
+    k_scale,
+    k_desc,
+    v_desc,
+    k_ptr,
+    stride_k_page,
+    stride_k_slot,
+    stride_k_head,
+    stride_k_dim,
+    v_ptr,
+    stride_v_page,
+    stride_v_slot,
+    stride_v_head,
+    stride_v_dim,
+    k_scale_ptr,
+    stride_ks_page,
+    stride_ks_slot,
+    stride_ks_head,
+    v_scale_ptr,
+    stride_vs_page,
+    stride_vs_slot,
+    stride_vs_head,
+    bt_row,
+    stride_bt_col,
+    kv_head,
+    qk_scale,
+    offs_n,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    QK_FP16: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One K/V tile of tokens ``start + offs_n`` through the online softmax.
+
+    MASKED=False is the hot path: every key of the tile is valid for every row.
+    """
+    # P (in [0, 1]) meets V in fp16 unless V is bf16: e4m3 and fp16 values are exact in fp16,
+    # and fp16 keeps 3 more mantissa bits of P than bf16 (8x smaller error with a bf16 query).
+    if v_ptr.dtype.element_ty == tl.bfloat16:
+        pv_dtype = tl.bfloat16
+    else:
+        pv_dtype = tl.float16
+    if QK_FP16:
+        qk_dtype = tl.float16
+    else:
+        qk_dtype = q.dtype
+    tok = start + offs_n
+    tok_ok = tok < token_end
+    # -- locate the tile in the paged cache --
+    if PAGE_SIZE >= BLOCK_N:
+        # Tiles are BLOCK_N-aligned, so one page holds the whole tile.
+        page = tl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
+    elif MASKED:
+        page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col, mask=tok_ok, other=0)
+    else:
+        page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col)
+    slot_in_page = tok % PAGE_SIZE
+    page64 = page.to(tl.int64)  # caches pass 2^31 bytes
+    if USE_TMA:
+        # Bulk tensor copies of the page-contiguous tile; Triton pipelines them through shared
+        # memory. In a masked tile, slots past token_end are read (they lie in the same page)
+        # and may hold garbage: K's are masked out of S below, V's are zeroed here.
+        at = [page, start % PAGE_SIZE, kv_head, 0]
+        k = k_desc.load(at).reshape(BLOCK_N, HEAD_DIM)
+        v = v_desc.load(at).reshape(BLOCK_N, HEAD_DIM).to(pv_dtype)
+        if MASKED:
+            v = tl.where(tok_ok[:, None], v, 0.0)
+    else:
+        k_row = page64 * stride_k_page + slot_in_page * stride_k_slot + kv_head * stride_k_head
+        v_row = page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
+        k_ptrs = k_ptr + k_row[:, None] + offs_d[None, :] * stride_k_dim
+        v_ptrs = v_ptr + v_row[:, None] + offs_d[None, :] * stride_v_dim
+        if MASKED:
+            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+
+    # -- scores: S = Q K^T, in log2 units --
+    s = dot_any(q, tl.trans(k.to(qk_dtype)), DOT_FP32)
+    if QK_FP16:
+        s = s * q_row_scale[:, None]
+    if SCALE_MODE == 2:
+        ks_row = page64 * stride_ks_page + slot_in_page * stride_ks_slot + kv_head * stride_ks_head
+        if MASKED:
+            ks = tl.load(k_scale_ptr + ks_row, mask=tok_ok, other=0.0)
+        else:
+            ks = tl.load(k_scale_ptr + ks_row)
+        s = s * (ks * qk_scale)[None, :]
+    else:
+        s = s * (qk_scale * k_scale)
+    if MASKED:
+        valid = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            valid = valid & (tok[None, :] > pos[:, None] - window)
+        s = tl.where(valid, s, float("-inf"))
+
+    # -- online softmax; a row with no key yet keeps m = -inf, so guard the shifts --
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.exp2(s - m_new_safe[:, None])
+    alpha = tl.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    # -- accumulate P V --
+    if SCALE_MODE == 2:
+        vs_row = page64 * stride_vs_page + slot_in_page * stride_vs_slot + kv_head * stride_vs_head
+        if MASKED:
+            vs = tl.load(v_scale_ptr + vs_row, mask=tok_ok, other=0.0)
+        else:
+            vs = tl.load(v_scale_ptr + vs_row)
+        # Normalise by the tile's largest scale so p * vs stays out of fp16 subnormals.
+        vs_max = tl.max(vs, axis=0)
+        vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
+        p_v = (p * (vs / vs_max)[None, :]).to(pv_dtype)
+        acc = acc * alpha[:, None] + dot_any(p_v, v.to(pv_dtype), DOT_FP32) * vs_max
+    else:
+        acc = acc * alpha[:, None] + dot_any(p.to(pv_dtype), v.to(pv_dtype), DOT_FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,  # [batch * query_len, num_q_heads, head_dim]
     stride_q_tok,
@@ -76,6 +217,7 @@ def _decode_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
+    QK_FP16: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     pid = tl.program_id(0)
@@ -86,13 +228,6 @@ def _decode_kernel(
     # Row r is query token r // GROUP, head r % GROUP of the kv head's group.
     row_tok = offs_m // GROUP
     row_head = offs_m % GROUP
-    compute_dtype = q_ptr.dtype.element_ty
-    # P (in [0, 1]) meets V in fp16 unless V is bf16: e4m3 and fp16 values are exact in fp16,
-    # and fp16 keeps 3 more mantissa bits of P than bf16 (8x smaller error with a bf16 query).
-    if v_ptr.dtype.element_ty == tl.bfloat16:
-        pv_dtype = tl.bfloat16
-    else:
-        pv_dtype = tl.float16
 
     if SCALE_MODE == 1:
         k_scale = tl.load(k_scale_ptr)
@@ -123,6 +258,15 @@ def _decode_kernel(
             + offs_d[None, :] * stride_q_dim
         )
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        if QK_FP16:
+            # A bf16 query meets the FP8 keys in fp16, whose e4m3 conversion is one instruction
+            # per pair (bf16's takes several). Exact: each row is scaled by a power of two
+            # so its largest value stays below 2^15; the scale comes back on S.
+            amax = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), axis=1), 1e-30)
+            q_row_scale = tl.exp2(tl.maximum(tl.ceil(tl.log2(amax)) - 15.0, 0.0))
+            q = (q.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
+        else:
+            q_row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
         # Absolute position of each query row; it attends keys <= pos (and > pos - window).
         pos = seq_len - QUERY_LEN + row_tok
 
@@ -136,83 +280,108 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(lo, token_end, BLOCK_N):
-            tok = start + offs_n
-            tok_ok = tok < token_end
-            # -- locate the tile in the paged cache --
-            if PAGE_SIZE >= BLOCK_N:
-                # Tiles are BLOCK_N-aligned, so one page holds the whole tile.
-                page = tl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
-            else:
-                page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col, mask=tok_ok, other=0)
-            slot_in_page = tok % PAGE_SIZE
-            page64 = page.to(tl.int64)  # caches pass 2^31 bytes
-            if USE_TMA:
-                # Bulk tensor copies of the page-contiguous tile; Triton pipelines them through
-                # shared memory. Slots past token_end are read (they lie in the same page) and
-                # may hold garbage: K's are masked out of S below, V's are zeroed here.
-                at = [page, start % PAGE_SIZE, kv_head, 0]
-                k = k_desc.load(at).reshape(BLOCK_N, HEAD_DIM)
-                v = v_desc.load(at).reshape(BLOCK_N, HEAD_DIM)
-                v = tl.where(tok_ok[:, None], v.to(pv_dtype), 0.0)
-            else:
-                k_row = (
-                    page64 * stride_k_page + slot_in_page * stride_k_slot + kv_head * stride_k_head
-                )
-                v_row = (
-                    page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
-                )
-                k = tl.load(
-                    k_ptr + k_row[:, None] + offs_d[None, :] * stride_k_dim,
-                    mask=tok_ok[:, None],
-                    other=0.0,
-                )
-                v = tl.load(
-                    v_ptr + v_row[:, None] + offs_d[None, :] * stride_v_dim,
-                    mask=tok_ok[:, None],
-                    other=0.0,
-                )
-
-            # -- scores: S = Q K^T, in log2 units --
-            s = dot_any(q, tl.trans(k.to(compute_dtype)), DOT_FP32)
-            if SCALE_MODE == 2:
-                ks_row = (
-                    page64 * stride_ks_page
-                    + slot_in_page * stride_ks_slot
-                    + kv_head * stride_ks_head
-                )
-                ks = tl.load(k_scale_ptr + ks_row, mask=tok_ok, other=0.0)
-                s = s * (ks * qk_scale)[None, :]
-            else:
-                s = s * (qk_scale * k_scale)
-            valid = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
-            if HAS_WINDOW:
-                valid = valid & (tok[None, :] > pos[:, None] - window)
-            s = tl.where(valid, s, float("-inf"))
-
-            # -- online softmax; a row with no key yet keeps m = -inf, so guard the shifts --
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-
-            # -- accumulate P V --
-            if SCALE_MODE == 2:
-                vs_row = (
-                    page64 * stride_vs_page
-                    + slot_in_page * stride_vs_slot
-                    + kv_head * stride_vs_head
-                )
-                vs = tl.load(v_scale_ptr + vs_row, mask=tok_ok, other=0.0)
-                # Normalise by the tile's largest scale so p * vs stays out of fp16 subnormals.
-                vs_max = tl.max(vs, axis=0)
-                vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
-                p_v = (p * (vs / vs_max)[None, :]).to(pv_dtype)
-                acc = acc * alpha[:, None] + dot_any(p_v, v.to(pv_dtype), DOT_FP32) * vs_max
-            else:
-                acc = acc * alpha[:, None] + dot_any(p.to(pv_dtype), v.to(pv_dtype), DOT_FP32)
+        # Tiles below full_end hold only keys every row attends (all < token_end and before
+        # the causal zone of the new tokens): no masks, no selects. The rest are masked.
+        full_end = lo
+        if not HAS_WINDOW:
+            unmasked = tl.minimum(token_end, seq_len - QUERY_LEN + 1) - lo
+            full_end = lo + tl.maximum(unmasked, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                m_i,
+                l_i,
+                acc,
+                q,
+                q_row_scale,
+                pos,
+                start,
+                token_end,
+                window,
+                k_scale,
+                k_desc,
+                v_desc,
+                k_ptr,
+                stride_k_page,
+                stride_k_slot,
+                stride_k_head,
+                stride_k_dim,
+                v_ptr,
+                stride_v_page,
+                stride_v_slot,
+                stride_v_head,
+                stride_v_dim,
+                k_scale_ptr,
+                stride_ks_page,
+                stride_ks_slot,
+                stride_ks_head,
+                v_scale_ptr,
+                stride_vs_page,
+                stride_vs_slot,
+                stride_vs_head,
+                bt_row,
+                stride_bt_col,
+                kv_head,
+                qk_scale,
+                offs_n,
+                offs_d,
+                HEAD_DIM,
+                PAGE_SIZE,
+                BLOCK_N,
+                SCALE_MODE,
+                HAS_WINDOW,
+                DOT_FP32,
+                USE_TMA,
+                QK_FP16,
+                False,
+            )
+        for start in range(full_end, token_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                m_i,
+                l_i,
+                acc,
+                q,
+                q_row_scale,
+                pos,
+                start,
+                token_end,
+                window,
+                k_scale,
+                k_desc,
+                v_desc,
+                k_ptr,
+                stride_k_page,
+                stride_k_slot,
+                stride_k_head,
+                stride_k_dim,
+                v_ptr,
+                stride_v_page,
+                stride_v_slot,
+                stride_v_head,
+                stride_v_dim,
+                k_scale_ptr,
+                stride_ks_page,
+                stride_ks_slot,
+                stride_ks_head,
+                v_scale_ptr,
+                stride_vs_page,
+                stride_vs_slot,
+                stride_vs_head,
+                bt_row,
+                stride_bt_col,
+                kv_head,
+                qk_scale,
+                offs_n,
+                offs_d,
+                HEAD_DIM,
+                PAGE_SIZE,
+                BLOCK_N,
+                SCALE_MODE,
+                HAS_WINDOW,
+                DOT_FP32,
+                USE_TMA,
+                QK_FP16,
+                True,
+            )
 
         # -- epilogue: final rows to out, or a partial for the reducer --
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
