@@ -35,6 +35,9 @@ def main() -> None:
     parser.add_argument("--block-n", default="64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--tma", default="1")
+    parser.add_argument(
+        "--flags", default="11", help="unmasked_loop,qk_fp16 bit pairs, e.g. 11,10,01,00"
+    )
     parser.add_argument("--q-dtype", default="bfloat16")
     parser.add_argument("--stages", default="2")
     args = parser.parse_args()
@@ -63,7 +66,8 @@ def main() -> None:
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         best = None
-        for mult, bn, warps, pf, st in itertools.product(
+        for flags, mult, bn, warps, pf, st in itertools.product(
+            args.flags.split(","),
             [int(x) for x in args.mults.split(",")],
             [int(x) for x in args.block_n.split(",")],
             [int(x) for x in args.warps.split(",")],
@@ -81,7 +85,14 @@ def main() -> None:
                 kv_scale=args.scale,
                 num_programs=sms * mult,
             )
-            cfg = DecodeLaunchConfig(block_n=bn, num_warps=warps, num_stages=st, tma=pf)
+            cfg = DecodeLaunchConfig(
+                block_n=bn,
+                num_warps=warps,
+                num_stages=st,
+                tma=pf,
+                unmasked_loop=flags[0] == "1",
+                qk_fp16=flags[1] == "1",
+            )
             try:
                 ms = triton.testing.do_bench(
                     lambda plan=plan, cfg=cfg, a=a, kw=kw: pagedattn.paged_decode(
@@ -95,13 +106,13 @@ def main() -> None:
                 print(f"{shape} mult {mult} {cfg}: failed: {type(exc).__name__}: {exc}"[:200])
                 continue
             gbps = nbytes / (ms * 1e-3) / 1e9
-            row = (shape, mult, bn, warps, pf, st, ms * 1e3, gbps, 100 * gbps / ceiling)
+            row = (shape, flags, mult, bn, warps, pf, st, ms * 1e3, gbps, 100 * gbps / ceiling)
             rows.append(row)
-            if best is None or row[6] < best[6]:
+            if best is None or row[7] < best[7]:
                 best = row
         print("best:", best)
-    print("| shape | mult | block_n | warps | tma | stages | µs | GB/s | % read |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | flags | mult | block_n | warps | tma | stages | µs | GB/s | % read |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 

@@ -104,6 +104,15 @@ CASES = {
         partition_size=64,
         launch=DecodeLaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=False),
     ),
+    "masked-loop-bf16-qk-fp8": Case(
+        (90, 33),
+        query_len=3,
+        kv_dtype=FP8,
+        kv_scale="per_token",
+        launch=DecodeLaunchConfig(
+            block_n=16, num_warps=4, num_stages=2, unmasked_loop=False, qk_fp16=False
+        ),
+    ),
     "block-n-128-page16": Case(
         (300, 40),
         partition_size=256,

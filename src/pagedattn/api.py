@@ -350,7 +350,10 @@ def paged_decode(
         WRITE_LSE=return_lse,
         DOT_FP32=interpreting(),
         USE_TMA=descriptors is not None,
-        QK_FP16=shape.kv_dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        QK_FP16=config.qk_fp16
+        and shape.kv_dtype == torch.float8_e4m3fn
+        and q.dtype == torch.bfloat16,
+        UNMASKED_LOOP=config.unmasked_loop,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -218,6 +218,7 @@ def _decode_kernel(
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
     QK_FP16: tl.constexpr,
+    UNMASKED_LOOP: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     pid = tl.program_id(0)
@@ -283,7 +284,7 @@ def _decode_kernel(
         # Tiles below full_end hold only keys every row attends (all < token_end and before
         # the causal zone of the new tokens): no masks, no selects. The rest are masked.
         full_end = lo
-        if not HAS_WINDOW:
+        if UNMASKED_LOOP and not HAS_WINDOW:
             unmasked = tl.minimum(token_end, seq_len - QUERY_LEN + 1) - lo
             full_end = lo + tl.maximum(unmasked, 0) // BLOCK_N * BLOCK_N
         for start in range(lo, full_end, BLOCK_N):

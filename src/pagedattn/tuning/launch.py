@@ -22,6 +22,8 @@ class DecodeLaunchConfig:
     num_warps: int
     num_stages: int
     tma: bool = True  # bulk tensor copies of page-contiguous tiles where the cache allows
+    unmasked_loop: bool = True  # full tiles skip masks; only the tail tiles are masked
+    qk_fp16: bool = True  # a bf16 query meets FP8 keys in fp16 (exact; cheaper conversion)
 
 
 def decode_launch_config(
