@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import pagedattn
 from pagedattn.plan import plan_sizes, schedule_numpy
+from pagedattn.tuning.launch import DEFAULT_GRID_MULTIPLIER
 
 
 def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1):
@@ -187,7 +188,7 @@ def test_default_program_count_is_a_multiple_of_kv_heads():
     assert default.partition_size == 256
     if ON_GPU:
         sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-        assert default.num_programs == sms
+        assert default.num_programs == sms * DEFAULT_GRID_MULTIPLIER
 
 
 def test_empty_batch_plans_no_work():

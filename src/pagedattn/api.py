@@ -59,7 +59,8 @@ def plan_decode(
     kv_scale : {None, "per_tensor", "per_token"}
         Scale mode of an FP8 cache (None for bf16/fp16).
     num_programs : int, optional
-        Persistent grid size, a multiple of ``num_kv_heads``. Default: one program per SM,
+        Persistent grid size, a multiple of ``num_kv_heads``. Default: two programs per SM
+        (measured best on the H200, see benchmarks/NOTES.md),
         rounded up to a multiple of ``num_kv_heads``.
     partition_size : int, optional
         Tokens per partition (the unit of load balance), a power of two >= 16; default 256.

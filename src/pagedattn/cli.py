@@ -89,7 +89,7 @@ def demo(args: argparse.Namespace) -> int:
 def tune(args: argparse.Namespace) -> int:
     print(
         "pagedattn tune: the offline grid tuner is not built yet; the decode path uses the "
-        "default grid (one program per SM).",
+        "default grid (two programs per SM).",
         file=sys.stderr,
     )
     return 2
