@@ -88,6 +88,7 @@ CASES = {
     "many-programs-split": Case(
         (200, 3), num_programs=12, query_len=2, kv_dtype=FP8, kv_scale="per_tensor"
     ),
+    "one-sequence-13-splits": Case((700,), num_programs=13, kv_dtype=FP8, kv_scale="per_token"),
     "default-grid": Case((40, 90), num_programs=None, partition_size=None),
     "one-token": Case((1,)),
     "gather-path-fp8-token": Case(

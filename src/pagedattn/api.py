@@ -28,6 +28,8 @@ LOG2E = 1.4426950408889634
 _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE_TOKEN}
 # Sequences scanned per step of the scheduler's prefix sum.
 _SCHEDULE_BLOCK = 1024
+# Elements of partial output one reducer program merges per step (slots x rows x head_dim).
+_REDUCE_TILE = 4096
 
 
 def plan_decode(
@@ -359,7 +361,11 @@ def paged_decode(
         num_stages=config.num_stages,
     )
     if plan.reduces.shape[0] > 0:
-        _reduce_kernel[(plan.reduces.shape[0],)](
+        # Several programs per record (one per head_dim slice) and several partials per step
+        # keep a long sequence's merge from being one serial chain of loads.
+        block_d = 32
+        slot_block = max(1, min(8, _REDUCE_TILE // (block_m * block_d)))
+        _reduce_kernel[(plan.reduces.shape[0], shape.head_dim // block_d)](
             plan.reduces,
             plan.partial_out,
             plan.partial_lse,
@@ -372,6 +378,8 @@ def paged_decode(
             GROUP=group,
             HEAD_DIM=shape.head_dim,
             BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            SLOT_BLOCK=slot_block,
             WRITE_LSE=return_lse,
             num_warps=4,
         )

@@ -1,8 +1,11 @@
 """Deterministic split reducer: merges the partials of each cut (sequence, kv head).
 
-One program per reduce record of the plan; unused records (``seq == -1``) exit at once, so the
-grid can be sized from host-known bounds. Partials are merged in slot order (= token order) by a
-float32 log-sum-exp merge, so repeated runs over the same inputs and plan give identical bits.
+Grid = (reduce records of the plan, head_dim / BLOCK_D): each program merges one record's
+partials over one slice of head_dim, so a long sequence cut into many partials is merged by
+several programs at once. Unused records (``seq == -1``) exit at once, so the grid can be
+sized from host-known bounds. Partials are taken SLOT_BLOCK at a time in slot order (= token
+order) and merged by a float32 log-sum-exp merge whose order depends only on the plan, so
+repeated runs over the same inputs and plan give identical bits.
 """
 
 import triton
@@ -25,6 +28,8 @@ def _reduce_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SLOT_BLOCK: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
@@ -34,28 +39,38 @@ def _reduce_kernel(
         kv_head = tl.load(rec + 1)
         first_slot = tl.load(rec + 2)
         num_slots = tl.load(rec + 3)
+        d0 = tl.program_id(1) * BLOCK_D
+        offs_j = tl.arange(0, SLOT_BLOCK)
         offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_d = d0 + tl.arange(0, BLOCK_D)
         row_ok = offs_m < ROWS
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for j in range(num_slots):
-            base = (first_slot + j).to(tl.int64) * ROWS
-            lse = tl.load(partial_lse_ptr + base + offs_m, mask=row_ok, other=float("-inf"))
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for j0 in range(0, num_slots, SLOT_BLOCK):
+            slot = (first_slot + j0 + offs_j).to(tl.int64)
+            slot_ok = j0 + offs_j < num_slots
+            ok = slot_ok[:, None] & row_ok[None, :]
+            # [SLOT_BLOCK, BLOCK_M]: a partial with no key for a row has lse = -inf, weight 0.
+            lse = tl.load(
+                partial_lse_ptr + slot[:, None] * ROWS + offs_m[None, :],
+                mask=ok,
+                other=float("-inf"),
+            )
             part = tl.load(
-                partial_out_ptr + (base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=row_ok[:, None],
+                partial_out_ptr
+                + (slot[:, None, None] * ROWS + offs_m[None, :, None]) * HEAD_DIM
+                + offs_d[None, None, :],
+                mask=ok[:, :, None],
                 other=0.0,
             )
-            # A partial with no key for a row has lse = -inf and weight 0.
-            m_new = tl.maximum(m_i, lse)
+            m_new = tl.maximum(m_i, tl.max(lse, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
-            weight = tl.exp2(lse - m_safe)
-            l_i = l_i * alpha + weight
-            acc = acc * alpha[:, None] + part * weight[:, None]
+            weight = tl.exp2(lse - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(weight, axis=0)
+            acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], axis=0)
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -65,7 +80,7 @@ def _reduce_kernel(
             out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         )
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        if WRITE_LSE:
+        if WRITE_LSE and d0 == 0:
             tl.store(
                 lse_ptr + tok * stride_lse_tok + head, (m_i + tl.log2(l_safe)) * LN2, mask=row_ok
             )
