@@ -208,3 +208,21 @@ def test_plan_decode_never_syncs():
         pagedattn.plan_decode(seq_lens, **kwargs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_chunked_scan_matches_single_block(monkeypatch):
+    """A batch larger than the scheduler's block is scanned in chunks; same plan either way."""
+    import pagedattn.api
+
+    rng = np.random.default_rng(7)
+    lens = rng.integers(1, 700, size=45)
+    lens[3] = 9000
+    kwargs = dict(num_kv_heads=2, group=2, num_programs=10, partition_size=64)
+    single = make_plan(lens, **kwargs)
+    monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", 16)
+    chunked = make_plan(lens, **kwargs)
+    n = int(single.work_indptr[-1])
+    assert torch.equal(single.work_indptr, chunked.work_indptr)
+    assert torch.equal(single.works[:n], chunked.works[:n])
+    assert torch.equal(single.reduces, chunked.reduces)
+    check_matches_numpy(chunked, lens, 64)

@@ -26,8 +26,8 @@ from .tuning.launch import (
 
 LOG2E = 1.4426950408889634
 _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE_TOKEN}
-# Sequences scanned per step of the scheduler's prefix sum.
-_SCHEDULE_BLOCK = 1024
+# Sequences the scheduler holds at once; a larger batch is scanned in chunks of this size.
+_SCHEDULE_BLOCK = 2048
 # Elements of partial output one reducer program merges per step (slots x rows x head_dim).
 _REDUCE_TILE = 4096
 
@@ -118,6 +118,7 @@ def plan_decode(
         plan = reuse
     else:
         plan = allocate_plan(device=device, **sizes)
+    block_b = min(_SCHEDULE_BLOCK, triton.next_power_of_2(max(batch, 16)))
     _schedule_kernel[(num_programs,)](
         seq_lens,
         plan.work_indptr,
@@ -129,8 +130,9 @@ def plan_decode(
         NUM_PROGRAMS=num_programs,
         GROUP=num_q_heads // num_kv_heads,
         PARTITION=partition_size,
-        BLOCK_B=min(_SCHEDULE_BLOCK, triton.next_power_of_2(max(batch, 16))),
-        num_warps=4,
+        BLOCK_B=block_b,
+        SINGLE_BLOCK=batch <= block_b,
+        num_warps=4 if block_b <= 1024 else 8,
     )
     return plan
 

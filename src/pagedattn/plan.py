@@ -132,8 +132,11 @@ def allocate_plan(
     works = metadata[n_indptr : n_indptr + n_works].view(max_works, WORK_FIELDS)
     reduces = metadata[n_indptr + n_works :].view(max_reduces, REDUCE_FIELDS)
     rows = query_len * (num_q_heads // num_kv_heads)
-    partial_out = torch.empty(max_partials, rows, head_dim, dtype=torch.float32, device=device)
-    partial_lse = torch.empty(max_partials, rows, dtype=torch.float32, device=device)
+    # One float32 allocation for both partial buffers (each allocation costs host time).
+    n_out = max_partials * rows * head_dim
+    partials = torch.empty(n_out + max_partials * rows, dtype=torch.float32, device=device)
+    partial_out = partials[:n_out].view(max_partials, rows, head_dim)
+    partial_lse = partials[n_out:].view(max_partials, rows)
     return DecodePlan(
         batch=batch,
         query_len=query_len,

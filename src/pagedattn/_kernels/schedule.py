@@ -38,6 +38,87 @@ def _program_of(x, base, rem):
 
 
 @triton.jit
+def _layout(lens, carry, base, rem, PARTITION: tl.constexpr):
+    """Partitions of a chunk of sequences, where they sit, and which programs they span."""
+    parts = tl.cdiv(lens, PARTITION)
+    cum_incl = carry + tl.cumsum(parts, axis=0)
+    cum_excl = cum_incl - parts
+    first = _program_of(cum_excl, base, rem)
+    last = _program_of(cum_incl - 1, base, rem)
+    return parts, cum_incl, cum_excl, first, last
+
+
+@triton.jit
+def _prefix(parts, first, last, local):
+    """Per chunk: works, partial slots and cut sequences before program ``local``, and totals."""
+    pieces = tl.where(parts > 0, last - first + 1, 0)
+    cut = pieces > 1
+    pieces_before = tl.where(parts > 0, tl.maximum(tl.minimum(last, local - 1) - first + 1, 0), 0)
+    works_before = tl.sum(pieces_before, axis=0)
+    partials_before = tl.sum(tl.where(cut, pieces_before, 0), axis=0)
+    cut_before = tl.sum((cut & (first < local)).to(tl.int32), axis=0)
+    total_works = tl.sum(pieces, axis=0)
+    total_partials = tl.sum(tl.where(cut, pieces, 0), axis=0)
+    total_cut = tl.sum(cut.to(tl.int32), axis=0)
+    return works_before, partials_before, cut_before, total_works, total_partials, total_cut
+
+
+@triton.jit
+def _write_works(
+    works_ptr,
+    reduces_ptr,
+    seq,
+    lens,
+    parts,
+    cum_incl,
+    cum_excl,
+    first,
+    last,
+    pid,
+    kv_head,
+    local,
+    p_start,
+    p_end,
+    work_base,
+    slot_base,
+    reduce_index,
+    mine_carry,
+    cut_carry,
+    GROUP: tl.constexpr,
+    PARTITION: tl.constexpr,
+):
+    """Writes this program's works among a chunk of sequences (and the reduce record of a cut
+    sequence it starts); returns the running counts of its works and cut works."""
+    mine = (parts > 0) & (first <= local) & (last >= local)
+    cut = mine & (last > first)
+    idx = mine_carry + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    slot_idx = cut_carry + tl.cumsum(cut.to(tl.int32), axis=0) - 1
+    slot = tl.where(cut, slot_base + slot_idx, -1)
+    tok_start = (tl.maximum(cum_excl, p_start) - cum_excl) * PARTITION
+    tok_end = tl.minimum((tl.minimum(cum_incl, p_end) - cum_excl) * PARTITION, lens)
+    rec = works_ptr + (work_base + idx).to(tl.int64) * 8
+    zero = tl.zeros_like(seq)
+    tl.store(rec + 0, zero + pid, mask=mine)
+    tl.store(rec + 1, seq, mask=mine)
+    tl.store(rec + 2, zero + kv_head, mask=mine)
+    tl.store(rec + 3, zero + kv_head * GROUP, mask=mine)
+    tl.store(rec + 4, zero + (kv_head + 1) * GROUP, mask=mine)
+    tl.store(rec + 5, tok_start, mask=mine)
+    tl.store(rec + 6, tok_end, mask=mine)
+    tl.store(rec + 7, slot, mask=mine)
+    # The program holding a cut sequence's first piece writes its reduce record.
+    starts_cut = cut & (first == local)
+    red = reduces_ptr + reduce_index.to(tl.int64) * 4 + zero
+    tl.store(red + 0, seq, mask=starts_cut)
+    tl.store(red + 1, zero + kv_head, mask=starts_cut)
+    tl.store(red + 2, slot, mask=starts_cut)
+    tl.store(red + 3, last - first + 1, mask=starts_cut)
+    mine_carry += tl.sum(mine.to(tl.int32), axis=0)
+    cut_carry += tl.sum(cut.to(tl.int32), axis=0)
+    return mine_carry, cut_carry
+
+
+@triton.jit
 def _schedule_kernel(
     seq_lens_ptr,  # [batch] int32
     work_indptr_ptr,  # [num_programs + 1] int32
@@ -50,94 +131,117 @@ def _schedule_kernel(
     GROUP: tl.constexpr,
     PARTITION: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,  # batch <= BLOCK_B: one load, one pass, all in registers
 ):
     pid = tl.program_id(0)
     kv_head = pid // PROGRAMS_PER_HEAD
     local = pid % PROGRAMS_PER_HEAD
     offs = tl.arange(0, BLOCK_B)
+    zero = tl.sum(tl.zeros([BLOCK_B], dtype=tl.int32), axis=0)
 
-    # -- pass 1: total partitions of one head --
-    total = tl.sum(tl.zeros([BLOCK_B], dtype=tl.int32), axis=0)
-    for b0 in range(0, batch, BLOCK_B):
-        lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
-        total += tl.sum(tl.cdiv(lens, PARTITION), axis=0)
-    base = total // PROGRAMS_PER_HEAD
-    rem = total % PROGRAMS_PER_HEAD
+    if SINGLE_BLOCK:
+        lens = tl.load(seq_lens_ptr + offs, mask=offs < batch, other=0)
+        total = tl.sum(tl.cdiv(lens, PARTITION), axis=0)
+        base = total // PROGRAMS_PER_HEAD
+        rem = total % PROGRAMS_PER_HEAD
+        parts, cum_incl, cum_excl, first, last = _layout(lens, zero, base, rem, PARTITION)
+        works_before, partials_before, cut_before, total_works, total_partials, total_cut = _prefix(
+            parts, first, last, local
+        )
+    else:
+        # -- pass 1: total partitions of one head --
+        total = zero
+        for b0 in range(0, batch, BLOCK_B):
+            lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
+            total += tl.sum(tl.cdiv(lens, PARTITION), axis=0)
+        base = total // PROGRAMS_PER_HEAD
+        rem = total % PROGRAMS_PER_HEAD
+        # -- pass 2: what lies before this program, and per-head totals --
+        works_before = zero
+        partials_before = zero
+        cut_before = zero
+        total_works = zero
+        total_partials = zero
+        total_cut = zero
+        carry = zero
+        for b0 in range(0, batch, BLOCK_B):
+            lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
+            parts, cum_incl, cum_excl, first, last = _layout(lens, carry, base, rem, PARTITION)
+            carry += tl.sum(parts, axis=0)
+            wb, pb, cb, tw, tp, tc = _prefix(parts, first, last, local)
+            works_before += wb
+            partials_before += pb
+            cut_before += cb
+            total_works += tw
+            total_partials += tp
+            total_cut += tc
+
     p_start = local * base + tl.minimum(local, rem)
     p_end = p_start + base + (local < rem).to(tl.int32)
-
-    # -- pass 2: what lies before this program, and per-head totals --
-    works_before = total * 0
-    partials_before = total * 0
-    cut_before = total * 0
-    total_works = total * 0
-    total_partials = total * 0
-    total_cut = total * 0
-    carry = total * 0
-    for b0 in range(0, batch, BLOCK_B):
-        lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
-        parts = tl.cdiv(lens, PARTITION)
-        cum_incl = carry + tl.cumsum(parts, axis=0)
-        cum_excl = cum_incl - parts
-        carry += tl.sum(parts, axis=0)
-        first = _program_of(cum_excl, base, rem)
-        last = _program_of(cum_incl - 1, base, rem)
-        pieces = tl.where(parts > 0, last - first + 1, 0)
-        cut = pieces > 1
-        pieces_before = tl.where(
-            parts > 0, tl.maximum(tl.minimum(last, local - 1) - first + 1, 0), 0
-        )
-        works_before += tl.sum(pieces_before, axis=0)
-        partials_before += tl.sum(tl.where(cut, pieces_before, 0), axis=0)
-        cut_before += tl.sum((cut & (first < local)).to(tl.int32), axis=0)
-        total_works += tl.sum(pieces, axis=0)
-        total_partials += tl.sum(tl.where(cut, pieces, 0), axis=0)
-        total_cut += tl.sum(cut.to(tl.int32), axis=0)
-
     work_base = kv_head * total_works + works_before
+    slot_base = kv_head * total_partials + partials_before
+    reduce_index = kv_head * total_cut + cut_before
     tl.store(work_indptr_ptr + pid, work_base)
     if pid == NUM_PROGRAMS - 1:
         tl.store(work_indptr_ptr + NUM_PROGRAMS, (kv_head + 1) * total_works)
 
-    # -- pass 3: write this program's works (and the reduce record of a sequence it starts) --
-    slot_base = kv_head * total_partials + partials_before
-    mine_carry = total * 0
-    cut_carry = total * 0
-    carry = total * 0
-    for b0 in range(0, batch, BLOCK_B):
-        seq = b0 + offs
-        lens = tl.load(seq_lens_ptr + seq, mask=seq < batch, other=0)
-        parts = tl.cdiv(lens, PARTITION)
-        cum_incl = carry + tl.cumsum(parts, axis=0)
-        cum_excl = cum_incl - parts
-        carry += tl.sum(parts, axis=0)
-        first = _program_of(cum_excl, base, rem)
-        last = _program_of(cum_incl - 1, base, rem)
-        mine = (parts > 0) & (first <= local) & (last >= local)
-        cut = mine & (last > first)
-        idx = mine_carry + tl.cumsum(mine.to(tl.int32), axis=0) - 1
-        slot_idx = cut_carry + tl.cumsum(cut.to(tl.int32), axis=0) - 1
-        mine_carry += tl.sum(mine.to(tl.int32), axis=0)
-        cut_carry += tl.sum(cut.to(tl.int32), axis=0)
-        slot = tl.where(cut, slot_base + slot_idx, -1)
-        tok_start = (tl.maximum(cum_excl, p_start) - cum_excl) * PARTITION
-        tok_end = tl.minimum((tl.minimum(cum_incl, p_end) - cum_excl) * PARTITION, lens)
-        rec = works_ptr + (work_base + idx).to(tl.int64) * 8
-        tl.store(rec + 0, tl.zeros_like(seq) + pid, mask=mine)
-        tl.store(rec + 1, seq, mask=mine)
-        tl.store(rec + 2, tl.zeros_like(seq) + kv_head, mask=mine)
-        tl.store(rec + 3, tl.zeros_like(seq) + kv_head * GROUP, mask=mine)
-        tl.store(rec + 4, tl.zeros_like(seq) + (kv_head + 1) * GROUP, mask=mine)
-        tl.store(rec + 5, tok_start, mask=mine)
-        tl.store(rec + 6, tok_end, mask=mine)
-        tl.store(rec + 7, slot, mask=mine)
-        # The program holding a cut sequence's first piece writes its reduce record.
-        starts_cut = cut & (first == local)
-        red = reduces_ptr + (kv_head * total_cut + cut_before).to(tl.int64) * 4
-        tl.store(red + 0 + offs * 0, seq, mask=starts_cut)
-        tl.store(red + 1 + offs * 0, tl.zeros_like(seq) + kv_head, mask=starts_cut)
-        tl.store(red + 2 + offs * 0, slot, mask=starts_cut)
-        tl.store(red + 3 + offs * 0, last - first + 1, mask=starts_cut)
+    # -- write this program's works --
+    if SINGLE_BLOCK:
+        _write_works(
+            works_ptr,
+            reduces_ptr,
+            offs,
+            lens,
+            parts,
+            cum_incl,
+            cum_excl,
+            first,
+            last,
+            pid,
+            kv_head,
+            local,
+            p_start,
+            p_end,
+            work_base,
+            slot_base,
+            reduce_index,
+            zero,
+            zero,
+            GROUP,
+            PARTITION,
+        )
+    else:
+        mine_carry = zero
+        cut_carry = zero
+        carry = zero
+        for b0 in range(0, batch, BLOCK_B):
+            seq = b0 + offs
+            lens = tl.load(seq_lens_ptr + seq, mask=seq < batch, other=0)
+            parts, cum_incl, cum_excl, first, last = _layout(lens, carry, base, rem, PARTITION)
+            carry += tl.sum(parts, axis=0)
+            mine_carry, cut_carry = _write_works(
+                works_ptr,
+                reduces_ptr,
+                seq,
+                lens,
+                parts,
+                cum_incl,
+                cum_excl,
+                first,
+                last,
+                pid,
+                kv_head,
+                local,
+                p_start,
+                p_end,
+                work_base,
+                slot_base,
+                reduce_index,
+                mine_carry,
+                cut_carry,
+                GROUP,
+                PARTITION,
+            )
 
     # -- clear the reduce records no sequence uses, so the reducer skips them --
     used = (NUM_PROGRAMS // PROGRAMS_PER_HEAD) * total_cut
@@ -146,5 +250,7 @@ def _schedule_kernel(
         unused = (r >= used) & (r < max_reduces)
         for f in tl.static_range(4):
             tl.store(
-                reduces_ptr + r.to(tl.int64) * 4 + f, tl.full([BLOCK_B], -1, tl.int32), mask=unused
+                reduces_ptr + r.to(tl.int64) * 4 + f,
+                tl.full([BLOCK_B], -1, tl.int32),
+                mask=unused,
             )
