@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import pagedattn
 from pagedattn.plan import plan_sizes, schedule_numpy
-from pagedattn.tuning.launch import DEFAULT_GRID_MULTIPLIER
+from pagedattn.tuning.launch import DEFAULT_GRID_MULTIPLIER, default_num_programs
 
 
 def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1):
@@ -226,3 +226,63 @@ def test_chunked_scan_matches_single_block(monkeypatch):
     assert torch.equal(single.works[:n], chunked.works[:n])
     assert torch.equal(single.reduces, chunked.reduces)
     check_matches_numpy(chunked, lens, 64)
+
+
+def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, monkeypatch):
+    """explicit num_programs > table row (nearest bucket) > default multiplier."""
+    import pagedattn
+    from pagedattn import tuning
+    from pagedattn.tuning.launch import device_name, sm_count
+
+    device = torch.empty(0, device=DEVICE).device
+    table = tmp_path / "user.csv"
+    monkeypatch.setenv("PAGEDATTN_TUNING_TABLE", str(table))
+    tuning.clear_cache()
+    row = dict(
+        device_name=device_name(device),
+        sm_count=sm_count(device),
+        query_len=1,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        kv_dtype="bf16",
+        kv_scale="none",
+        batch_bucket=4,
+        context_bucket=1024,
+        grid_multiplier=3,
+        partition_size=64,
+        tuned_us=10.0,
+        default_us=12.0,
+        pagedattn_version=pagedattn.__version__,
+        triton_version="3.6.0",
+        date="2026-11-30",
+    )
+    tuning.upsert(table, [row])
+    seq_lens = torch.tensor([100, 900, 5], dtype=torch.int32, device=DEVICE)
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    try:
+        tuned = pagedattn.plan_decode(seq_lens, max_seq_len=900, **kw)
+        assert tuned.num_programs == 3 * sm_count(device) + (3 * sm_count(device)) % 2
+        assert tuned.partition_size == 64
+        # Nearest bucket: context 4000 -> bucket 4096, two steps from 1024; still this row.
+        assert pagedattn.plan_decode(seq_lens, max_seq_len=4000, **kw).num_programs == (
+            tuned.num_programs
+        )
+        explicit = pagedattn.plan_decode(seq_lens, max_seq_len=900, num_programs=2, **kw)
+        assert explicit.num_programs == 2 and explicit.partition_size == 256  # no lookup
+        default = pagedattn.plan_decode(seq_lens, **kw)
+        assert default.num_programs == default_num_programs(device, 2)
+        assert default.partition_size == 256
+        check_matches_numpy(tuned, [100, 900, 5], 64)
+    finally:
+        tuning.clear_cache()
+
+
+def test_max_seq_len_must_be_a_positive_int():
+    seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16)
+    with pytest.raises(ValueError, match=r"max_seq_len: expected an int >= 1, got 0"):
+        pagedattn.plan_decode(seq_lens, max_seq_len=0, **kw)
+    with pytest.raises(TypeError, match=r"max_seq_len: expected an int, got float"):
+        pagedattn.plan_decode(seq_lens, max_seq_len=5.0, **kw)

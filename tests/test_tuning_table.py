@@ -425,11 +425,11 @@ def test_lookup_warns_once_on_broken_table_and_returns_default(tables, breakage)
         tables.user.parent.mkdir()
         tables.user.write_bytes(GARBLED["binary"][0])
     with pytest.warns(tuning.TuningTableWarning, match=re.escape(str(tables.user))) as caught:
-        assert tuning.lookup_grid(make_key()) == (1, None)
+        assert tuning.lookup_grid(make_key()) == tuning.DEFAULT_GRID
     assert len(caught) == 1
     # Once per path per process, whatever the key.
-    assert no_warnings(tuning.lookup_grid, make_key()) == (1, None)
-    assert no_warnings(tuning.lookup_grid, make_key(batch_bucket=2)) == (1, None)
+    assert no_warnings(tuning.lookup_grid, make_key()) == tuning.DEFAULT_GRID
+    assert no_warnings(tuning.lookup_grid, make_key(batch_bucket=2)) == tuning.DEFAULT_GRID
 
 
 def test_broken_user_table_still_uses_shipped(tables):
@@ -443,9 +443,9 @@ def test_broken_user_table_still_uses_shipped(tables):
 def test_lookup_never_raises(tables):
     tables.user.mkdir(parents=True)  # a directory where the file should be
     with pytest.warns(tuning.TuningTableWarning, match=re.escape(str(tables.user))):
-        assert tuning.lookup_grid(make_key()) == (1, None)
+        assert tuning.lookup_grid(make_key()) == tuning.DEFAULT_GRID
     with pytest.warns(tuning.TuningTableWarning, match="lookup failed"):
-        assert tuning.lookup_grid(None) == (1, None)  # type: ignore[arg-type]
+        assert tuning.lookup_grid(None) == tuning.DEFAULT_GRID  # type: ignore[arg-type]
 
 
 # -- lookup rules ----------------------------------------------------------------------------
@@ -506,12 +506,12 @@ def test_nearest_bucket(tables, table, query, expected):
 )
 def test_nearest_bucket_only_within_same_device_and_shape(tables, other):
     tuning.upsert(tables.shipped, [make_row(batch_bucket=16, grid_multiplier=3, **other)])
-    assert tuning.lookup_grid(make_key()) == (1, None)
+    assert tuning.lookup_grid(make_key()) == tuning.DEFAULT_GRID
 
 
 def test_other_device_rows_are_not_used(tables):
     tuning.upsert(tables.user, [make_row(device_name="NVIDIA H100 80GB HBM3", grid_multiplier=3)])
-    assert tuning.lookup_grid(make_key()) == (1, None)
+    assert tuning.lookup_grid(make_key()) == tuning.DEFAULT_GRID
 
 
 def test_user_table_overrides_shipped(tables):
@@ -552,10 +552,10 @@ def test_stale_rows_warn_once_and_fall_back(tables):
     with pytest.warns(
         tuning.TuningTableWarning, match=r"tuned with pagedattn 0\.2\.0.*this is pagedattn 0\.1\.0"
     ) as caught:
-        assert tuning.lookup_grid(make_key()) == (1, None)
+        assert tuning.lookup_grid(make_key()) == tuning.DEFAULT_GRID
     assert len(caught) == 1
     assert str(tables.user) in str(caught[0].message)
-    assert no_warnings(tuning.lookup_grid, make_key()) == (1, None)
+    assert no_warnings(tuning.lookup_grid, make_key()) == tuning.DEFAULT_GRID
 
 
 def test_stale_rows_are_skipped_in_favour_of_fresh_neighbours(tables):

@@ -18,11 +18,15 @@ from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_kernel
 from .plan import DecodePlan, allocate_plan
 from .tuning.launch import (
+    DEFAULT_GRID_MULTIPLIER,
     DEFAULT_PARTITION,
     DecodeLaunchConfig,
     decode_launch_config,
     default_num_programs,
+    device_name,
+    sm_count,
 )
+from .tuning.table import TuningKey, lookup_grid
 
 LOG2E = 1.4426950408889634
 _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE_TOKEN}
@@ -45,6 +49,7 @@ def plan_decode(
     num_programs: int | None = None,
     partition_size: int | None = None,
     reuse: DecodePlan | None = None,
+    max_seq_len: int | None = None,
 ) -> DecodePlan:
     """Builds the work list of one decode step on the GPU, in one launch, without a host sync.
 
@@ -61,14 +66,19 @@ def plan_decode(
     kv_scale : {None, "per_tensor", "per_token"}
         Scale mode of an FP8 cache (None for bf16/fp16).
     num_programs : int, optional
-        Persistent grid size, a multiple of ``num_kv_heads``. Default: two programs per SM
-        (measured best on the H200, see benchmarks/NOTES.md),
-        rounded up to a multiple of ``num_kv_heads``.
+        Persistent grid size, a multiple of ``num_kv_heads``. Default: SMs x the multiplier of
+        the tuning table's row for this device and shape when ``max_seq_len`` is given (see
+        :mod:`pagedattn.tuning`), else two programs per SM (measured best on the H200, see
+        benchmarks/NOTES.md); rounded up to a multiple of ``num_kv_heads``.
     partition_size : int, optional
         Tokens per partition (the unit of load balance), a power of two >= 16; default 256.
     reuse : DecodePlan, optional
         A plan made earlier for the same sizes whose buffers are refilled instead of allocating
         new ones (what a serving loop does every step).
+    max_seq_len : int, optional
+        A host-side bound on ``seq_lens`` (engines know it without reading the GPU). It only
+        selects the tuning table's context bucket for the grid size; nothing is checked
+        against it, and leaving it out never syncs either.
 
     Returns
     -------
@@ -87,10 +97,30 @@ def plan_decode(
         kv_scale=kv_scale,
         num_programs=num_programs,
         partition_size=partition_size,
+        max_seq_len=max_seq_len,
     )
     device = seq_lens.device
     if num_programs is None:
-        num_programs = default_num_programs(device, num_kv_heads)
+        multiplier, tuned_partition = DEFAULT_GRID_MULTIPLIER, None
+        if max_seq_len is not None:
+            multiplier, tuned_partition = lookup_grid(
+                TuningKey.from_batch(
+                    device_name=device_name(device),
+                    sm_count=sm_count(device),
+                    query_len=query_len,
+                    num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    page_size=page_size,
+                    kv_dtype=kv_dtype,
+                    kv_scale=kv_scale,
+                    batch_size=max(batch, 1),
+                    max_seq_len=max_seq_len,
+                )
+            )
+        num_programs = default_num_programs(device, num_kv_heads, multiplier)
+        if partition_size is None:
+            partition_size = tuned_partition
     if partition_size is None:
         partition_size = DEFAULT_PARTITION
     sizes = dict(

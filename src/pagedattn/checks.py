@@ -93,6 +93,7 @@ def check_plan_args(
     kv_scale,
     num_programs,
     partition_size,
+    max_seq_len=None,
 ) -> int:
     """Checks :func:`pagedattn.plan_decode`'s arguments; returns the batch size."""
     batch = check_seq_lens(seq_lens)
@@ -138,6 +139,8 @@ def check_plan_args(
                 f"a power of two >= {MIN_PARTITION}",
                 partition_size,
             )
+    if max_seq_len is not None:
+        _positive_int("max_seq_len", max_seq_len)
     return batch
 
 

@@ -86,13 +86,10 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def tune(args: argparse.Namespace) -> int:
-    print(
-        "pagedattn tune: the offline grid tuner is not built yet; the decode path uses the "
-        "default grid (two programs per SM).",
-        file=sys.stderr,
-    )
-    return 2
+def tune(argv: list[str]) -> int:
+    from pagedattn.tuning import tuner
+
+    return tuner.main(argv)
 
 
 def bench(argv: list[str]) -> int:
@@ -109,17 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run one decode step on an embedded example and check it")
     p_demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p_tune = sub.add_parser("tune", help="offline tuner of the persistent grid (CUDA graphs)")
-    p_tune.add_argument("--dry-run", action="store_true", help="print what would be written")
+    sub.add_parser(
+        "tune", help="offline tuner of the persistent grid (CUDA graphs)", add_help=False
+    )
     sub.add_parser(
         "bench",
         help="side-by-side benchmark vs peers and the bandwidth ceiling",
         add_help=False,
     )
+    # tune and bench own their arguments (and their --help).
     if argv[:1] == ["bench"]:
         return bench(argv[1:])
+    if argv[:1] == ["tune"]:
+        return tune(argv[1:])
     args = parser.parse_args(argv)
-    return {"demo": demo, "tune": tune}[args.command](args)
+    return demo(args)
 
 
 if __name__ == "__main__":

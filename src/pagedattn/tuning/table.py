@@ -60,6 +60,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .launch import DEFAULT_GRID_MULTIPLIER
+
 __all__ = [
     "COLUMNS",
     "DEFAULT_GRID",
@@ -106,9 +108,9 @@ COLUMNS = (
     "date",
 )
 
-#: What ``lookup_grid`` returns when no table has an answer: one program per SM, and the
-#: planner's own partition size.
-DEFAULT_GRID: tuple[int, int | None] = (1, None)
+#: What ``lookup_grid`` returns when no table has an answer: ``DEFAULT_GRID_MULTIPLIER`` programs
+#: per SM, and the planner's own partition size.
+DEFAULT_GRID: tuple[int, int | None] = (DEFAULT_GRID_MULTIPLIER, None)
 
 #: Directory of the shipped per-device tables (a module attribute so tests can point it away).
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -864,7 +866,8 @@ def lookup_grid(key: TuningKey) -> tuple[int, int | None]:
        (query_len, heads, head_dim, page_size, kv_dtype, kv_scale), the nearest bucket wins:
        the smallest ``|log2(batch_bucket) - log2(b)| + |log2(context_bucket) - log2(c)|``,
        ties going to the larger ``context_bucket``, then to the larger ``batch_bucket``;
-    3. else ``DEFAULT_GRID``, ``(1, None)``: one program per SM, the planner's partition size.
+    3. else ``DEFAULT_GRID``: ``DEFAULT_GRID_MULTIPLIER`` programs per SM, the planner's
+       partition size.
 
     Each file is read once per process (see ``clear_cache``); a missing file counts as empty.
     A broken file is ignored and rows tuned by another pagedattn major.minor version are
