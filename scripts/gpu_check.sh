@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything on the GPU machine in ONE call: tests at realistic sizes, compute-sanitizer on a
-# small decode, scheduler timing, the side-by-side benchmark. Short summary printed last.
-#   bash scripts/gpu_check.sh [tests|bench|all] [bench args...]
+# small decode, scheduler timing, the offline tuner, the side-by-side benchmark; a short
+# summary printed last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
+#   bash scripts/gpu_check.sh [tests|tune|bench|all] [bench args...]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check_out}
-mkdir -p "$OUT"
+LOGS=/tmp/gpu_logs
+mkdir -p "$OUT" "$LOGS"
 MODE=${1:-all}
 shift || true
 if ls .whl/*.whl >/dev/null 2>&1; then  # peers (FlashInfer) carried as wheels
@@ -20,17 +22,26 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 if [[ $MODE == tests || $MODE == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
-  summary+=("pytest: $(tail -1 "$OUT/pytest.log")")
+  python3 -m pytest -q -p no:cacheprovider tests >"$LOGS/pytest.log" 2>&1
+  grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -20
+  summary+=("pytest: $(tail -1 "$LOGS/pytest.log")")
   compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/sanitize_decode.py \
-    >"$OUT/sanitizer.log" 2>&1
-  summary+=("sanitizer (rc $?): $(grep -E 'ERROR SUMMARY|rel err' "$OUT/sanitizer.log" | tr '\n' ' ')")
-  python3 benchmarks/bench_schedule.py 2>&1 | tee "$OUT/schedule.md"
+    >"$LOGS/sanitizer.log" 2>&1
+  summary+=("sanitizer (rc $?): $(grep -E 'ERROR SUMMARY|rel err' "$LOGS/sanitizer.log" | tr '\n' ' ')")
+  python3 benchmarks/bench_schedule.py >"$OUT/schedule.md" 2>&1
+  summary+=("scheduler: $OUT/schedule.md")
+fi
+
+if [[ $MODE == tune || $MODE == all ]]; then
+  python3 -m pagedattn tune --preset seed --table "$OUT/nvidia_h200.csv" \
+    --max-minutes "${TUNE_MINUTES:-3}" >"$OUT/tune.log" 2>&1
+  summary+=("tune rc $?: $(grep -iE 'geometric|worst|noise' "$OUT/tune.log" | tail -3 | tr '\n' ' ')")
 fi
 
 if [[ $MODE == bench || $MODE == all ]]; then
-  python3 -m pagedattn bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
-  summary+=("bench rc ${PIPESTATUS[0]}")
+  python3 -m pagedattn bench --out "$OUT" "$@" >"$LOGS/bench.log" 2>&1
+  summary+=("bench rc $?")
+  tail -40 "$LOGS/bench.log"
 fi
 
 echo "================ summary"
