@@ -106,13 +106,18 @@ class Provider:
 
 
 class PagedAttnProvider(Provider):
-    """Ours; ``with_plan`` times plan + decode, else decode with a precomputed plan."""
+    """Ours; ``with_plan`` times plan + decode, else decode with a precomputed plan.
+
+    ``tuned`` gives the planner the host-side ``max_seq_len`` hint, so the grid comes from the
+    tuning table (shipped per device, or the user's); otherwise the default grid is used.
+    """
 
     is_peer = False
 
-    def __init__(self, name: str, *, with_plan: bool):
+    def __init__(self, name: str, *, with_plan: bool, tuned: bool = False):
         self.name = name
         self.with_plan = with_plan
+        self.tuned = tuned
 
     def version(self) -> str:
         return pagedattn.__version__
@@ -128,6 +133,8 @@ class PagedAttnProvider(Provider):
             kv_dtype=KV_DTYPES[case.kv_dtype],
             kv_scale=case.kv_scale,
         )
+        if self.tuned:
+            plan_args["max_seq_len"] = max(case.seq_lens())
         seq_lens, q, table = inputs.seq_lens, inputs.q, inputs.block_table
         plan = pagedattn.plan_decode(seq_lens, **plan_args)
         out = torch.empty_like(q)
@@ -313,6 +320,7 @@ PROVIDERS: dict[str, Provider] = {
     for p in (
         PagedAttnProvider("pagedattn", with_plan=True),
         PagedAttnProvider("pagedattn-decode", with_plan=False),
+        PagedAttnProvider("pagedattn-tuned", with_plan=True, tuned=True),
         FlashInferProvider(),
         ReferenceProvider(),
     )

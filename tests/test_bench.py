@@ -166,6 +166,7 @@ def test_registry_names_and_roles():
     assert list(providers.PROVIDERS) == [
         "pagedattn",
         "pagedattn-decode",
+        "pagedattn-tuned",
         "flashinfer",
         "torch-reference",
     ]
@@ -174,7 +175,7 @@ def test_registry_names_and_roles():
         ok, why = provider.available()
         assert isinstance(ok, bool) and isinstance(why, str)
     assert providers.peers() == ["flashinfer"]
-    assert providers.ours() == ["pagedattn", "pagedattn-decode"]
+    assert providers.ours() == ["pagedattn", "pagedattn-decode", "pagedattn-tuned"]
     assert not providers.PROVIDERS["torch-reference"].timed
 
 
@@ -196,7 +197,12 @@ def test_flashinfer_skips_per_token_scales():
 def test_unknown_provider_is_a_usage_error():
     with pytest.raises(run.UsageError, match="unknown"):
         run.resolve_providers("pagedattn,vllm")
-    assert run.resolve_providers(None) == ["pagedattn", "pagedattn-decode", "flashinfer"]
+    assert run.resolve_providers(None) == [
+        "pagedattn",
+        "pagedattn-decode",
+        "pagedattn-tuned",
+        "flashinfer",
+    ]
     assert run.resolve_providers("flashinfer, pagedattn") == ["pagedattn", "flashinfer"]
 
 
@@ -231,7 +237,7 @@ def test_cache_for_ragged_lengths_is_finite_everywhere():
     assert torch.equal(first.k_cache.view(torch.uint8), second.k_cache.view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["pagedattn", "pagedattn-decode"])
+@pytest.mark.parametrize("name", ["pagedattn", "pagedattn-decode", "pagedattn-tuned"])
 def test_ours_passes_the_reference_check(name, monkeypatch):
     monkeypatch.setattr(providers, "PLAN_SAMPLES", 1)
     inputs = _inputs(_tiny(ragged=(17, 40)))
