@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from pagedattn.tuning import graphs
+
 ROTATION_BYTES = 256 * 2**20  # > 4x the H200's 60 MB L2
 MAX_COPIES = 256  # caps capture time and graph size for tiny caches
 MIN_REPLAYS = 20
-WARM_REPLAYS = 3
 
 Step = Callable[[], object]
 
@@ -63,29 +64,8 @@ def time_graph(steps: Sequence[Step], *, replays: int = MIN_REPLAYS) -> Timing:
 
     Raises whatever capture raises (a step that syncs with the host cannot be captured).
     """
-    if not steps:
-        raise ValueError("steps: expected at least one step, got none")
     replays = max(replays, MIN_REPLAYS)
-    caller = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(caller)
-    with torch.cuda.stream(side):
-        for step in steps:  # JIT compile, lazy allocations
-            step()
-    caller.wait_stream(side)
-    torch.cuda.synchronize()
-
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for step in steps:
-                step()
-    finally:
-        # A failed capture can leave the side stream current; later work must not run there.
-        torch.cuda.set_stream(caller)
-    for _ in range(WARM_REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
+    graph = graphs.capture(steps)
 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]

@@ -336,3 +336,25 @@ def test_tunes_one_shape_on_gpu(tmp_path):
     assert row["device_name"] == torch.cuda.get_device_name()
     assert (row["batch_bucket"], row["context_bucket"]) == (4, 2048)
     assert row["grid_multiplier"] in (1, 2) and row["tuned_us"] > 0 and row["default_us"] > 0
+
+
+def test_graph_capture_needs_steps():
+    from pagedattn.tuning import graphs
+
+    with pytest.raises(ValueError, match="steps: expected at least one step, got none"):
+        graphs.capture([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_capture_replays_the_steps():
+    from pagedattn.tuning import graphs
+
+    x = torch.zeros(4, device="cuda")
+    graph = graphs.capture([lambda: x.add_(1.0), lambda: x.mul_(2.0)])
+    # Warm-up run (1) + warm replays (WARM_REPLAYS), each step pair once.
+    expected = 0.0
+    for _ in range(1 + graphs.WARM_REPLAYS):
+        expected = (expected + 1.0) * 2.0
+    assert torch.equal(x, torch.full_like(x, expected))
+    graph.replay()
+    assert torch.equal(x, torch.full_like(x, (expected + 1.0) * 2.0))

@@ -15,23 +15,13 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from pagedattn._cli_args import int_list
+
 BENCHMARKS_ENV = "PAGEDATTN_BENCHMARKS"
 # The folder is loaded under this name, so an unrelated top-level ``benchmarks`` package
 # (some wheels ship one) can neither shadow it nor be shadowed.
 PACKAGE_NAME = "pagedattn_benchmarks"
 PRESETS = ("seed", "quick", "full")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return values
 
 
 def _choice_list(*choices: str):
@@ -71,15 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Giving any of these replaces the preset by the grid of the given values; "
         "the rest take the seed grid's values (FP8 per-tensor, page 1024).",
     )
-    shape.add_argument("--batch", type=_int_list, help="e.g. 1,16,128")
-    shape.add_argument("--context", type=_int_list, help="tokens per sequence, e.g. 8192,32768")
-    shape.add_argument("--query-len", type=_int_list, help="new tokens per sequence, e.g. 1,4")
+    shape.add_argument("--batch", type=int_list, help="e.g. 1,16,128")
+    shape.add_argument("--context", type=int_list, help="tokens per sequence, e.g. 8192,32768")
+    shape.add_argument("--query-len", type=int_list, help="new tokens per sequence, e.g. 1,4")
     shape.add_argument(
         "--kv-dtype",
         type=_choice_list("fp8", "bf16", "fp16"),
         help="fp8,bf16,fp16",
     )
-    shape.add_argument("--page-size", type=_int_list, help="e.g. 16,1024")
+    shape.add_argument("--page-size", type=int_list, help="e.g. 16,1024")
     shape.add_argument(
         "--kv-scale",
         type=_choice_list("per_tensor", "per_token"),

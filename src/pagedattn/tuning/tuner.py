@@ -35,6 +35,8 @@ from typing import Any, Protocol
 
 import torch
 
+from pagedattn._cli_args import int_list
+from pagedattn.tuning import graphs
 from pagedattn.tuning.launch import DEFAULT_GRID_MULTIPLIER, default_num_programs, sm_count
 from pagedattn.tuning.table import (
     COLUMNS,
@@ -60,7 +62,6 @@ __all__ = [
 ROTATION_BYTES = 256 * 2**20  # > 4x the H200's 60 MB L2
 MAX_COPIES = 64
 REPLAYS_PER_ROUND = 10
-WARM_REPLAYS = 3
 KV_DTYPES = ("fp8", "bf16", "fp16")
 KV_SCALES = ("per_tensor", "per_token")
 TOLERANCE = {"fp8": 2e-2, "bf16": 1e-2, "fp16": 1e-2}
@@ -391,22 +392,7 @@ class CudaBackend:
     def time_us(self, shape: Shape, multiplier: int) -> float:
         """Median over rounds of the time per step of CUDA-graph replays, in microseconds."""
         steps = self._steps(shape, multiplier)
-        caller, side = torch.cuda.current_stream(), torch.cuda.Stream()
-        side.wait_stream(caller)
-        with torch.cuda.stream(side):  # compile and warm up outside the capture
-            for step in steps:
-                step()
-        caller.wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                for step in steps:
-                    step()
-        finally:
-            torch.cuda.set_stream(caller)
-        for _ in range(WARM_REPLAYS):
-            graph.replay()
+        graph = graphs.capture(steps)
         per_round = []
         for _ in range(self.rounds):
             start = torch.cuda.Event(enable_timing=True)
@@ -441,18 +427,6 @@ class CudaBackend:
 # --------------------------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 def _scale_list(text: str) -> list[str | None]:
     names = [v.strip().replace("-", "_") for v in text.split(",") if v.strip()]
     bad = [n for n in names if n not in (*KV_SCALES, "none")]
@@ -481,9 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA-graph timing, and write the choices to a tuning table.",
     )
     p.add_argument("--preset", choices=PRESETS, help="seed (60 shapes) or quick (4 shapes)")
-    p.add_argument("--batch", type=_int_list, help="batch sizes, e.g. 1,16,64")
-    p.add_argument("--context", type=_int_list, help="tokens per sequence, e.g. 1024,8192")
-    p.add_argument("--query-len", type=_int_list, help="new tokens per sequence (default 1)")
+    p.add_argument("--batch", type=int_list, help="batch sizes, e.g. 1,16,64")
+    p.add_argument("--context", type=int_list, help="tokens per sequence, e.g. 1024,8192")
+    p.add_argument("--query-len", type=int_list, help="new tokens per sequence (default 1)")
     p.add_argument(
         "--kv-scale",
         type=_scale_list,
@@ -496,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp8")
     p.add_argument(
         "--multipliers",
-        type=_int_list,
+        type=int_list,
         default=[1, 2, 3, 4],
         help=f"candidate programs per SM (default 1,2,3,4; {DEFAULT_GRID_MULTIPLIER}, the "
         "default, is always timed)",
