@@ -119,7 +119,8 @@ def plan_decode(
                 )
             )
         num_programs = default_num_programs(device, num_kv_heads, multiplier)
-        if partition_size is None:
+        # A table row may name any power of two; the kernel's tiles need >= MIN_PARTITION.
+        if partition_size is None and (tuned_partition or 0) >= checks.MIN_PARTITION:
             partition_size = tuned_partition
     if partition_size is None:
         partition_size = DEFAULT_PARTITION
