@@ -275,6 +275,10 @@ def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, mo
         assert default.num_programs == default_num_programs(device, 2)
         assert default.partition_size == 256
         check_matches_numpy(tuned, [100, 900, 5], 64)
+        # A row naming a partition below the kernel's minimum keeps the default partition.
+        tuning.upsert(table, [{**row, "batch_bucket": 64, "partition_size": 8}])
+        small = pagedattn.plan_decode(seq_lens[:1].repeat(64), max_seq_len=900, **kw)
+        assert small.num_programs == tuned.num_programs and small.partition_size == 256
     finally:
         tuning.clear_cache()
 
