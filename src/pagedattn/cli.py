@@ -13,7 +13,9 @@ def _ensure_backend() -> None:
     before Triton is imported: re-run this command with ``TRITON_INTERPRET=1``."""
     import torch
 
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from pagedattn._kernels.common import interpreting
+
+    if torch.cuda.is_available() or interpreting():
         return
     if "triton" in sys.modules:
         env = dict(os.environ, TRITON_INTERPRET="1")

@@ -5,6 +5,9 @@ import os
 import triton
 import triton.language as tl
 
+# ln(2): LSEs are kept in log2 units inside the kernels and reported in natural log.
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""

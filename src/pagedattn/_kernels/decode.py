@@ -15,10 +15,7 @@ accumulators are float32; Q K^T takes the query dtype, P V takes fp16 (bf16 for 
 import triton
 import triton.language as tl
 
-from .common import dot_any
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from .common import LN2, dot_any
 
 # Scale modes (constexpr SCALE_MODE).
 SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2

@@ -11,7 +11,7 @@ repeated runs over the same inputs and plan give identical bits.
 import triton
 import triton.language as tl
 
-LN2 = tl.constexpr(0.6931471805599453)
+from .common import LN2
 
 
 @triton.jit

@@ -12,21 +12,14 @@ Model (per KV head; every head has the same structure, shifted):
   works by (program, sequence) equals ordering them by sequence: a sequence's works are
   consecutive, and so are its partial slots.
 
-Buffer layout (int32, see ``plan.py`` for the named views):
+Buffer layout (int32; ``plan.py`` owns it and documents the fields):
   work_indptr  [num_programs + 1]
-  works        [max_works, WORK_FIELDS]   fields below
-  reduces      [max_reduces, REDUCE_FIELDS]  (seq, kv_head, first_slot, num_slots); seq -1 = unused
+  works        [max_works, 8]   (program, seq, kv_head, q_head_start, q_head_end, token_start, token_end, partial_slot)
+  reduces      [max_reduces, 4]  (seq, kv_head, first_slot, num_slots); seq -1 = unused
 """
 
 import triton
 import triton.language as tl
-
-# Work record fields (int32 each).
-W_PROGRAM, W_SEQ, W_KV_HEAD, W_QH_START, W_QH_END, W_TOKEN_START, W_TOKEN_END, W_SLOT = range(8)
-WORK_FIELDS = 8
-# Reduce record fields.
-R_SEQ, R_KV_HEAD, R_FIRST_SLOT, R_NUM_SLOTS = range(4)
-REDUCE_FIELDS = 4
 
 
 @triton.jit
@@ -122,8 +115,8 @@ def _write_works(
 def _schedule_kernel(
     seq_lens_ptr,  # [batch] int32
     work_indptr_ptr,  # [num_programs + 1] int32
-    works_ptr,  # [max_works, WORK_FIELDS] int32
-    reduces_ptr,  # [max_reduces, REDUCE_FIELDS] int32
+    works_ptr,  # [max_works, 8] int32
+    reduces_ptr,  # [max_reduces, 4] int32
     batch,
     max_reduces,
     PROGRAMS_PER_HEAD: tl.constexpr,
