@@ -1,25 +1,27 @@
 """Launch-parameter sweep of the decode kernel on a few large shapes (for NOTES.md).
 
-    python benchmarks/sweep_decode.py [--quick]
+    python benchmarks/sweep_decode.py [--shapes 128x8192x1,...] [--mults 1,2,4] ...
 
-Times ``paged_decode`` with a precomputed plan (``do_bench`` median; each shape's KV is far
-larger than L2) for each grid multiplier x tile config, and prints GB/s and % of the read
-ceiling measured in the same run.
+Times ``paged_decode`` with a precomputed plan (median of CUDA-graph replays, so host launch
+cost stays out; each shape's KV is far larger than L2) for each grid multiplier x tile
+config, and prints GB/s and % of the read ceiling measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
-import triton.testing
 
 import pagedattn
 from benchmarks.ceiling import measure_read_gbps
+from benchmarks.timing import time_graph
 from pagedattn.tuning.launch import DecodeLaunchConfig
 
 FP8 = torch.float8_e4m3fn
+GRAPH_CALLS = 8  # calls per captured graph; each shape's KV is far larger than L2
 
 
 def kv_bytes(lens, heads, head_dim, elem, per_token):
@@ -36,10 +38,14 @@ def main() -> None:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--tma", default="1")
     parser.add_argument(
-        "--flags", default="11", help="unmasked_loop,qk_fp16 bit pairs, e.g. 11,10,01,00"
+        "--flags",
+        default="11",
+        help="unmasked_loop,qk_fp16 bit pairs per config, e.g. 11,10,01,00",
     )
     parser.add_argument("--q-dtype", default="bfloat16")
     parser.add_argument("--stages", default="2")
+    parser.add_argument("--maxnreg", default="0", help="register caps; 0 = none")
+    parser.add_argument("--chunk", default="64", help="head_dim chunk widths")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -66,13 +72,15 @@ def main() -> None:
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         best = None
-        for flags, mult, bn, warps, pf, st in itertools.product(
+        for flags, mult, bn, warps, pf, st, regs, chunk in itertools.product(
             args.flags.split(","),
             [int(x) for x in args.mults.split(",")],
             [int(x) for x in args.block_n.split(",")],
             [int(x) for x in args.warps.split(",")],
             [bool(int(x)) for x in args.tma.split(",")],
             [int(x) for x in args.stages.split(",")],
+            [int(x) for x in args.maxnreg.split(",")],
+            [int(x) for x in args.chunk.split(",")],
         ):
             plan = pagedattn.plan_decode(
                 cache.seq_lens,
@@ -92,27 +100,38 @@ def main() -> None:
                 tma=pf,
                 unmasked_loop=flags[0] == "1",
                 qk_fp16=flags[1] == "1",
+                head_chunk=chunk,
+                maxnreg=regs or None,
             )
+            step = functools.partial(pagedattn.paged_decode, *a, plan=plan, launch_config=cfg, **kw)
             try:
-                ms = triton.testing.do_bench(
-                    lambda plan=plan, cfg=cfg, a=a, kw=kw: pagedattn.paged_decode(
-                        *a, plan=plan, launch_config=cfg, **kw
-                    ),
-                    warmup=20,
-                    rep=100,
-                    return_mode="median",
-                )
+                ms = time_graph([step] * GRAPH_CALLS).us_p50 * 1e-3
             except Exception as exc:  # a config that does not compile (shared memory, ...)
                 print(f"{shape} mult {mult} {cfg}: failed: {type(exc).__name__}: {exc}"[:200])
                 continue
             gbps = nbytes / (ms * 1e-3) / 1e9
-            row = (shape, flags, mult, bn, warps, pf, st, ms * 1e3, gbps, 100 * gbps / ceiling)
+            row = (
+                shape,
+                flags,
+                mult,
+                bn,
+                warps,
+                pf,
+                st,
+                regs,
+                ms * 1e3,
+                gbps,
+                100 * gbps / ceiling,
+            )
             rows.append(row)
-            if best is None or row[7] < best[7]:
+            print(row, flush=True)
+            if best is None or row[9] < best[9]:
                 best = row
         print("best:", best)
-    print("| shape | flags | mult | block_n | warps | tma | stages | µs | GB/s | % read |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| shape | flags | mult | block_n | warps | tma | stages | maxnreg | µs | GB/s | % read |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 

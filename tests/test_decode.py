@@ -114,6 +114,26 @@ CASES = {
             block_n=16, num_warps=4, num_stages=2, unmasked_loop=False, qk_fp16=False
         ),
     ),
+    "chunk16-fp8-token-qlen3": Case(
+        (90, 33, 3),
+        query_len=3,
+        kv_dtype=FP8,
+        kv_scale="per_token",
+        launch=DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, head_chunk=16),
+    ),
+    "chunk16-fp8-tensor-window-gather": Case(
+        (70, 20),
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        window=9,
+        launch=DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, tma=False, head_chunk=16),
+    ),
+    "one-chunk-bf16-gqa16-split": Case(
+        (200, 7),
+        num_q_heads=16,
+        num_programs=12,
+        launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, head_chunk=128),
+    ),
     "block-n-128-page16": Case(
         (300, 40),
         partition_size=256,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import pagedattn
 from pagedattn.plan import plan_sizes, schedule_numpy
-from pagedattn.tuning.launch import DEFAULT_GRID_MULTIPLIER, default_num_programs
+from pagedattn.tuning.launch import default_grid_multiplier, default_num_programs
 
 
 def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1):
@@ -188,7 +188,7 @@ def test_default_program_count_is_a_multiple_of_kv_heads():
     assert default.partition_size == 256
     if ON_GPU:
         sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-        assert default.num_programs == sms * DEFAULT_GRID_MULTIPLIER
+        assert default.num_programs == sms * default_grid_multiplier(2) == sms * 4
 
 
 def test_empty_batch_plans_no_work():
@@ -272,7 +272,7 @@ def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, mo
         explicit = pagedattn.plan_decode(seq_lens, max_seq_len=900, num_programs=2, **kw)
         assert explicit.num_programs == 2 and explicit.partition_size == 256  # no lookup
         default = pagedattn.plan_decode(seq_lens, **kw)
-        assert default.num_programs == default_num_programs(device, 2)
+        assert default.num_programs == default_num_programs(device, 2, default_grid_multiplier(2))
         assert default.partition_size == 256
         check_matches_numpy(tuned, [100, 900, 5], 64)
         # A row naming a partition below the kernel's minimum keeps the default partition.

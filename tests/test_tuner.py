@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 import pagedattn
 from pagedattn.tuning import table as tuning_table
 from pagedattn.tuning import tuner
-from pagedattn.tuning.launch import DEFAULT_GRID_MULTIPLIER
 from pagedattn.tuning.table import TuningKey, lookup_grid, read_table
 from pagedattn.tuning.tuner import Shape, choose, main, make_row, tune_shape
 
@@ -120,9 +119,16 @@ def test_tune_shape_times_default_first_and_last_and_checks_the_winner():
 def test_tune_shape_noisy_default_blocks_a_marginal_win():
     runs = iter([10.0, 9.5, 11.0])  # default, x3, default: noise 10%, default mean 10.5
 
-    result = tune_shape(Shape(1, 1024), [2, 3], lambda s, m: next(runs), lambda s, m: 0.0)
+    shape = Shape(1, 1024)  # 16 query rows per kv head: the planner's default is 4 per SM
+    result = tune_shape(shape, [3], lambda s, m: next(runs), lambda s, m: 0.0)
     assert result.noise == pytest.approx(0.1) and result.default_us == pytest.approx(10.5)
-    assert result.chosen == DEFAULT_GRID_MULTIPLIER == 2
+    assert result.chosen == result.default == shape.default_multiplier == 4
+
+
+def test_shape_default_multiplier_follows_query_rows():
+    assert Shape(1, 1024, query_len=1).default_multiplier == 4  # 16 rows
+    assert Shape(1, 1024, query_len=4).default_multiplier == 2  # 64 rows
+    assert Shape(1, 1024, query_len=2, num_q_heads=8).default_multiplier == 4  # 16 rows
 
 
 def test_tolerance_by_dtype():
@@ -184,7 +190,8 @@ def test_main_writes_one_upsert_per_shape(tables, monkeypatch, capsys):
     rows = read_table(tables.user)  # the default table: the user's
     assert [(r["query_len"], r["grid_multiplier"]) for r in rows] == [(1, 3), (4, 3)]
     out = capsys.readouterr().out
-    assert "geometric-mean speedup 1.250" in out and "worst 1.250" in out
+    # Defaults: 4 programs/SM at query_len 1 (16 rows; 9 us), 2 at query_len 4 (10 us).
+    assert "geometric-mean speedup 1.186" in out and "worst 1.125" in out
     assert "noise 0.0%" in out
 
 
@@ -202,7 +209,7 @@ def test_dry_run_writes_nothing_and_prints_rows(tables, capsys):
     assert not tables.user.exists()
     out = capsys.readouterr().out
     assert "dry run: 2 row(s)" in out and ",".join(tuning_table.COLUMNS) in out
-    assert f"{DEVICE},{SMS},1,16,1,128,1024,fp8_e4m3,per_token,16,8192,3,,8.0,10.0" in out
+    assert f"{DEVICE},{SMS},1,16,1,128,1024,fp8_e4m3,per_token,16,8192,3,,8.0,9.0" in out
 
 
 def test_failing_check_prevents_the_write(tables, capsys):
@@ -215,7 +222,7 @@ def test_one_failing_shape_keeps_the_others(tables):
     def times(shape, m):
         if shape.batch == 1:
             raise RuntimeError("out of memory")
-        return {1: 12.0, 2: 10.0}[m]
+        return {1: 12.0, 4: 10.0}[m]
 
     argv = ["--batch", "1,16", "--context", "1024", "--multipliers", "1"]
     assert main(argv, backend=FakeBackend(times)) == 1
@@ -238,7 +245,7 @@ def test_budget_and_interrupt_keep_tuned_rows(tables, monkeypatch, capsys):
     def interrupted(shape, m):
         if shape.batch == 4:
             raise KeyboardInterrupt
-        return {1: 12.0, 2: 10.0}[m]
+        return {1: 12.0, 4: 10.0}[m]
 
     tables.user.unlink()
     args = ["--batch", "1,2,4", "--context", "1024", "--multipliers", "1"]

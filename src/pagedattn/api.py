@@ -18,12 +18,13 @@ from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_kernel
 from .plan import DecodePlan, allocate_plan
 from .tuning.launch import (
-    DEFAULT_GRID_MULTIPLIER,
     DEFAULT_PARTITION,
     DecodeLaunchConfig,
     decode_launch_config,
+    default_grid_multiplier,
     default_num_programs,
     device_name,
+    head_chunks,
     sm_count,
 )
 from .tuning.table import TuningKey, lookup_grid
@@ -68,8 +69,9 @@ def plan_decode(
     num_programs : int, optional
         Persistent grid size, a multiple of ``num_kv_heads``. Default: SMs x the multiplier of
         the tuning table's row for this device and shape when ``max_seq_len`` is given (see
-        :mod:`pagedattn.tuning`), else two programs per SM (measured best on the H200, see
-        benchmarks/NOTES.md); rounded up to a multiple of ``num_kv_heads``.
+        :mod:`pagedattn.tuning`), else four programs per SM when ``query_len x group <= 16``
+        and two otherwise (measured best on the H200, see benchmarks/NOTES.md); rounded up
+        to a multiple of ``num_kv_heads``.
     partition_size : int, optional
         Tokens per partition (the unit of load balance), a power of two >= 16; default 256.
     reuse : DecodePlan, optional
@@ -101,7 +103,7 @@ def plan_decode(
     )
     device = seq_lens.device
     if num_programs is None:
-        multiplier, tuned_partition = DEFAULT_GRID_MULTIPLIER, None
+        multiplier, tuned_partition = None, None
         if max_seq_len is not None:
             multiplier, tuned_partition = lookup_grid(
                 TuningKey.from_batch(
@@ -118,6 +120,8 @@ def plan_decode(
                     max_seq_len=max_seq_len,
                 )
             )
+        if multiplier is None:
+            multiplier = default_grid_multiplier(query_len * (num_q_heads // num_kv_heads))
         num_programs = default_num_programs(device, num_kv_heads, multiplier)
         # A table row may name any power of two; the kernel's tiles need >= MIN_PARTITION.
         if partition_size is None and (tuned_partition or 0) >= checks.MIN_PARTITION:
@@ -174,7 +178,7 @@ def _cache_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, 
     return (s[0], s[1], s[2], s[3]) if kv_layout == "NHD" else (s[0], s[2], s[1], s[3])
 
 
-def _tma_descriptors(k_cache, v_cache, kv_layout, page_size, block_n):
+def _tma_descriptors(k_cache, v_cache, kv_layout, page_size, block_n, block_d):
     """Bulk-copy descriptors over K and V as [num_pages, page_size, num_kv_heads, head_dim],
     or None where the hardware's rules (16-byte aligned base and strides, unit stride on
     head_dim) or the tile shape (whole tiles inside a page, >= 16 tokens) rule them out."""
@@ -197,7 +201,7 @@ def _tma_descriptors(k_cache, v_cache, kv_layout, page_size, block_n):
                 cache,
                 shape=[num_pages, page_size, heads, head_dim],
                 strides=list(strides),
-                block_shape=[1, block_n, 1, head_dim],
+                block_shape=[1, block_n, 1, block_d],
             )
         )
     return descriptors
@@ -337,10 +341,16 @@ def paged_decode(
     # Tiles never straddle a partition (works start on partition boundaries), nor, on the
     # bulk-copy path, a page.
     block_n = min(config.block_n, plan.partition_size)
+    chunks = head_chunks(config, shape.head_dim)
     descriptors = None
     if config.tma and shape.num_pages > 0:
         descriptors = _tma_descriptors(
-            k_cache, v_cache, kv_layout, shape.page_size, min(block_n, shape.page_size)
+            k_cache,
+            v_cache,
+            kv_layout,
+            shape.page_size,
+            min(block_n, shape.page_size),
+            shape.head_dim // chunks,
         )
         if descriptors is not None:
             block_n = min(block_n, shape.page_size)
@@ -392,8 +402,11 @@ def paged_decode(
         and shape.kv_dtype == torch.float8_e4m3fn
         and q.dtype == torch.bfloat16,
         UNMASKED_LOOP=config.unmasked_loop,
+        CHUNKS=chunks,
+        NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
     if plan.reduces.shape[0] > 0:
         # Several programs per record (one per head_dim slice) and several partials per step

@@ -15,10 +15,10 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def dot_any(a, b, DOT_FP32: tl.constexpr):
+def dot_any(a, b, DOT_FP32: tl.constexpr, acc=None):
     # The interpreter multiplies raw bit patterns for bf16 dots, so it gets float32 operands;
     # compiled code keeps the operands' own dtype for the tensor cores.
     if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        return tl.dot(a, b, acc)

@@ -22,11 +22,112 @@ SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
 
 
 @triton.jit
+def _load_q_chunk(q_row, stride_q_dim, row_ok, C: tl.constexpr, DC: tl.constexpr):
+    """Head-dim chunk ``C`` of the query rows (``q_row``: one pointer per row)."""
+    offs = C * DC + tl.arange(0, DC)
+    return tl.load(q_row[:, None] + offs[None, :] * stride_q_dim, mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _store_chunk(row_ptr, stride_dim, row_ok, x, C: tl.constexpr, DC: tl.constexpr):
+    """Stores ``x`` as head-dim chunk ``C`` of the rows at ``row_ptr`` (in the rows' dtype)."""
+    offs = C * DC + tl.arange(0, DC)
+    ptrs = row_ptr[:, None] + offs[None, :] * stride_dim
+    tl.store(ptrs, x.to(row_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _load_chunk(
+    desc,
+    ptr,
+    row,
+    stride_dim,
+    page,
+    start,
+    kv_head,
+    tok_ok,
+    C: tl.constexpr,
+    DC: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Head-dim chunk ``C`` (``DC`` wide) of a K or V tile, in the cache's dtype."""
+    if USE_TMA:
+        # A bulk tensor copy of the page-contiguous tile; Triton pipelines it through shared
+        # memory. In a masked tile, slots past the sequence are read (they lie in the same
+        # page) and may hold garbage: the caller masks K's scores and zeroes V.
+        return desc.load([page, start % PAGE_SIZE, kv_head, C * DC]).reshape(BLOCK_N, DC)
+    else:
+        offs = C * DC + tl.arange(0, DC)
+        ptrs = ptr + row[:, None] + offs[None, :] * stride_dim
+        if MASKED:
+            return tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _pv_chunk(
+    o,
+    p,
+    alpha,
+    vs_max,
+    v_desc,
+    v_ptr,
+    v_row,
+    stride_v_dim,
+    page,
+    start,
+    kv_head,
+    tok_ok,
+    C: tl.constexpr,
+    DC: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``o * alpha + P V[:, chunk C]`` (times the tile's V scale with per-token scales)."""
+    v = _load_chunk(
+        v_desc,
+        v_ptr,
+        v_row,
+        stride_v_dim,
+        page,
+        start,
+        kv_head,
+        tok_ok,
+        C,
+        DC,
+        PAGE_SIZE,
+        BLOCK_N,
+        USE_TMA,
+        MASKED,
+    ).to(p.dtype)
+    if USE_TMA and MASKED:
+        v = tl.where(tok_ok[:, None], v, 0.0)
+    if SCALE_MODE == 2:
+        return o * alpha[:, None] + dot_any(p, v, DOT_FP32) * vs_max
+    else:
+        return dot_any(p, v, DOT_FP32, o * alpha[:, None])
+
+
+@triton.jit
 def _attend_tile(
     m_i,
     l_i,
-    acc,
-    q,
+    o0,
+    o1,
+    o2,
+    o3,
+    q0,
+    q1,
+    q2,
+    q3,
     q_row_scale,
     pos,
     start,
@@ -58,8 +159,8 @@ def _attend_tile(
     kv_head,
     qk_scale,
     offs_n,
-    offs_d,
     HEAD_DIM: tl.constexpr,
+    CHUNKS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SCALE_MODE: tl.constexpr,
@@ -71,18 +172,18 @@ def _attend_tile(
 ):
     """One K/V tile of tokens ``start + offs_n`` through the online softmax.
 
-    MASKED=False is the hot path: every key of the tile is valid for every row.
+    Q, K, V and the accumulator are split along head_dim into ``CHUNKS`` chunks (1, 2 or 4;
+    unused ``q``/``o`` arguments pass through untouched), so only one chunk of the converted
+    K or V tile is live in registers at a time. MASKED=False is the hot path: every key of the
+    tile is valid for every row.
     """
+    DC: tl.constexpr = HEAD_DIM // CHUNKS
     # P (in [0, 1]) meets V in fp16 unless V is bf16: e4m3 and fp16 values are exact in fp16,
     # and fp16 keeps 3 more mantissa bits of P than bf16 (8x smaller error with a bf16 query).
     if v_ptr.dtype.element_ty == tl.bfloat16:
         pv_dtype = tl.bfloat16
     else:
         pv_dtype = tl.float16
-    if QK_FP16:
-        qk_dtype = tl.float16
-    else:
-        qk_dtype = q.dtype
     tok = start + offs_n
     tok_ok = tok < token_end
     # -- locate the tile in the paged cache --
@@ -95,29 +196,80 @@ def _attend_tile(
         page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col)
     slot_in_page = tok % PAGE_SIZE
     page64 = page.to(tl.int64)  # caches pass 2^31 bytes
-    if USE_TMA:
-        # Bulk tensor copies of the page-contiguous tile; Triton pipelines them through shared
-        # memory. In a masked tile, slots past token_end are read (they lie in the same page)
-        # and may hold garbage: K's are masked out of S below, V's are zeroed here.
-        at = [page, start % PAGE_SIZE, kv_head, 0]
-        k = k_desc.load(at).reshape(BLOCK_N, HEAD_DIM)
-        v = v_desc.load(at).reshape(BLOCK_N, HEAD_DIM).to(pv_dtype)
-        if MASKED:
-            v = tl.where(tok_ok[:, None], v, 0.0)
-    else:
-        k_row = page64 * stride_k_page + slot_in_page * stride_k_slot + kv_head * stride_k_head
-        v_row = page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
-        k_ptrs = k_ptr + k_row[:, None] + offs_d[None, :] * stride_k_dim
-        v_ptrs = v_ptr + v_row[:, None] + offs_d[None, :] * stride_v_dim
-        if MASKED:
-            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+    k_row = page64 * stride_k_page + slot_in_page * stride_k_slot + kv_head * stride_k_head
+    v_row = page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
 
-    # -- scores: S = Q K^T, in log2 units --
-    s = dot_any(q, tl.trans(k.to(qk_dtype)), DOT_FP32)
+    # -- scores: S = Q K^T (chunk by chunk), in log2 units --
+    k = _load_chunk(
+        k_desc,
+        k_ptr,
+        k_row,
+        stride_k_dim,
+        page,
+        start,
+        kv_head,
+        tok_ok,
+        0,
+        DC,
+        PAGE_SIZE,
+        BLOCK_N,
+        USE_TMA,
+        MASKED,
+    )
+    s = dot_any(q0, tl.trans(k.to(q0.dtype)), DOT_FP32)
+    if CHUNKS >= 2:
+        k = _load_chunk(
+            k_desc,
+            k_ptr,
+            k_row,
+            stride_k_dim,
+            page,
+            start,
+            kv_head,
+            tok_ok,
+            1,
+            DC,
+            PAGE_SIZE,
+            BLOCK_N,
+            USE_TMA,
+            MASKED,
+        )
+        s = dot_any(q1, tl.trans(k.to(q1.dtype)), DOT_FP32, s)
+    if CHUNKS >= 4:
+        k = _load_chunk(
+            k_desc,
+            k_ptr,
+            k_row,
+            stride_k_dim,
+            page,
+            start,
+            kv_head,
+            tok_ok,
+            2,
+            DC,
+            PAGE_SIZE,
+            BLOCK_N,
+            USE_TMA,
+            MASKED,
+        )
+        s = dot_any(q2, tl.trans(k.to(q2.dtype)), DOT_FP32, s)
+        k = _load_chunk(
+            k_desc,
+            k_ptr,
+            k_row,
+            stride_k_dim,
+            page,
+            start,
+            kv_head,
+            tok_ok,
+            3,
+            DC,
+            PAGE_SIZE,
+            BLOCK_N,
+            USE_TMA,
+            MASKED,
+        )
+        s = dot_any(q3, tl.trans(k.to(q3.dtype)), DOT_FP32, s)
     if QK_FP16:
         s = s * q_row_scale[:, None]
     if SCALE_MODE == 2:
@@ -145,7 +297,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    # -- accumulate P V --
+    # -- accumulate P V, chunk by chunk --
     if SCALE_MODE == 2:
         vs_row = page64 * stride_vs_page + slot_in_page * stride_vs_slot + kv_head * stride_vs_head
         if MASKED:
@@ -155,11 +307,101 @@ def _attend_tile(
         # Normalise by the tile's largest scale so p * vs stays out of fp16 subnormals.
         vs_max = tl.max(vs, axis=0)
         vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
-        p_v = (p * (vs / vs_max)[None, :]).to(pv_dtype)
-        acc = acc * alpha[:, None] + dot_any(p_v, v.to(pv_dtype), DOT_FP32) * vs_max
+        p = (p * (vs / vs_max)[None, :]).to(pv_dtype)
     else:
-        acc = acc * alpha[:, None] + dot_any(p.to(pv_dtype), v.to(pv_dtype), DOT_FP32)
-    return m_new, l_i, acc
+        vs_max = 1.0
+        p = p.to(pv_dtype)
+    o0 = _pv_chunk(
+        o0,
+        p,
+        alpha,
+        vs_max,
+        v_desc,
+        v_ptr,
+        v_row,
+        stride_v_dim,
+        page,
+        start,
+        kv_head,
+        tok_ok,
+        0,
+        DC,
+        PAGE_SIZE,
+        BLOCK_N,
+        SCALE_MODE,
+        DOT_FP32,
+        USE_TMA,
+        MASKED,
+    )
+    if CHUNKS >= 2:
+        o1 = _pv_chunk(
+            o1,
+            p,
+            alpha,
+            vs_max,
+            v_desc,
+            v_ptr,
+            v_row,
+            stride_v_dim,
+            page,
+            start,
+            kv_head,
+            tok_ok,
+            1,
+            DC,
+            PAGE_SIZE,
+            BLOCK_N,
+            SCALE_MODE,
+            DOT_FP32,
+            USE_TMA,
+            MASKED,
+        )
+    if CHUNKS >= 4:
+        o2 = _pv_chunk(
+            o2,
+            p,
+            alpha,
+            vs_max,
+            v_desc,
+            v_ptr,
+            v_row,
+            stride_v_dim,
+            page,
+            start,
+            kv_head,
+            tok_ok,
+            2,
+            DC,
+            PAGE_SIZE,
+            BLOCK_N,
+            SCALE_MODE,
+            DOT_FP32,
+            USE_TMA,
+            MASKED,
+        )
+        o3 = _pv_chunk(
+            o3,
+            p,
+            alpha,
+            vs_max,
+            v_desc,
+            v_ptr,
+            v_row,
+            stride_v_dim,
+            page,
+            start,
+            kv_head,
+            tok_ok,
+            3,
+            DC,
+            PAGE_SIZE,
+            BLOCK_N,
+            SCALE_MODE,
+            DOT_FP32,
+            USE_TMA,
+            MASKED,
+        )
+    return m_new, l_i, o0, o1, o2, o3
 
 
 @triton.jit
@@ -216,12 +458,14 @@ def _decode_kernel(
     USE_TMA: tl.constexpr,
     QK_FP16: tl.constexpr,
     UNMASKED_LOOP: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
+    DC: tl.constexpr = HEAD_DIM // CHUNKS
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < ROWS
     # Row r is query token r // GROUP, head r % GROUP of the kv head's group.
     row_tok = offs_m // GROUP
@@ -246,23 +490,35 @@ def _decode_kernel(
         slot = tl.load(rec + 7)
         seq_len = tl.load(seq_lens_ptr + seq)
 
-        # -- load the query rows of this kv head --
+        # -- load the query rows of this kv head, in CHUNKS head_dim chunks --
         q_tok = (seq * QUERY_LEN + row_tok).to(tl.int64)
         q_head = kv_head * GROUP + row_head
-        q_ptrs = (
-            q_ptr
-            + q_tok[:, None] * stride_q_tok
-            + q_head[:, None] * stride_q_head
-            + offs_d[None, :] * stride_q_dim
-        )
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        q_row = q_ptr + q_tok * stride_q_tok + q_head * stride_q_head
+        q0 = _load_q_chunk(q_row, stride_q_dim, row_ok, 0, DC)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        if CHUNKS >= 2:
+            q1 = _load_q_chunk(q_row, stride_q_dim, row_ok, 1, DC)
+        if CHUNKS >= 4:
+            q2 = _load_q_chunk(q_row, stride_q_dim, row_ok, 2, DC)
+            q3 = _load_q_chunk(q_row, stride_q_dim, row_ok, 3, DC)
         if QK_FP16:
             # A bf16 query meets the FP8 keys in fp16, whose e4m3 conversion is one instruction
             # per pair (bf16's takes several). Exact: each row is scaled by a power of two
             # so its largest value stays below 2^15; the scale comes back on S.
-            amax = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), axis=1), 1e-30)
+            amax = tl.max(tl.abs(q0.to(tl.float32)), axis=1)
+            if CHUNKS >= 2:
+                amax = tl.maximum(amax, tl.max(tl.abs(q1.to(tl.float32)), axis=1))
+            if CHUNKS >= 4:
+                amax = tl.maximum(amax, tl.max(tl.abs(q2.to(tl.float32)), axis=1))
+                amax = tl.maximum(amax, tl.max(tl.abs(q3.to(tl.float32)), axis=1))
+            amax = tl.maximum(amax, 1e-30)
             q_row_scale = tl.exp2(tl.maximum(tl.ceil(tl.log2(amax)) - 15.0, 0.0))
-            q = (q.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
+            q0 = (q0.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
+            q1 = (q1.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
+            q2 = (q2.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
+            q3 = (q3.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
         else:
             q_row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
         # Absolute position of each query row; it attends keys <= pos (and > pos - window).
@@ -276,7 +532,10 @@ def _decode_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        o0 = tl.zeros([BLOCK_M, DC], tl.float32)
+        o1 = o0
+        o2 = o0
+        o3 = o0
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
         # Tiles below full_end hold only keys every row attends (all < token_end and before
         # the causal zone of the new tokens): no masks, no selects. The rest are masked.
@@ -292,12 +551,19 @@ def _decode_kernel(
             else:
                 begin = full_end
                 end = token_end
-            for start in range(begin, end, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(
+            # The masked tail is at most a tile or two: not pipelined, so it adds no registers.
+            for start in tl.range(begin, end, BLOCK_N, num_stages=NUM_STAGES if phase == 0 else 1):
+                m_i, l_i, o0, o1, o2, o3 = _attend_tile(
                     m_i,
                     l_i,
-                    acc,
-                    q,
+                    o0,
+                    o1,
+                    o2,
+                    o3,
+                    q0,
+                    q1,
+                    q2,
+                    q3,
                     q_row_scale,
                     pos,
                     start,
@@ -329,8 +595,8 @@ def _decode_kernel(
                     kv_head,
                     qk_scale,
                     offs_n,
-                    offs_d,
                     HEAD_DIM,
+                    CHUNKS,
                     PAGE_SIZE,
                     BLOCK_N,
                     SCALE_MODE,
@@ -343,23 +609,25 @@ def _decode_kernel(
 
         # -- epilogue: final rows to out, or a partial for the reducer --
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        result = acc * (v_scale / l_safe)[:, None]
         lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        o_scale = v_scale / l_safe
         if slot < 0:
-            o_ptrs = (
-                out_ptr
-                + q_tok[:, None] * stride_o_tok
-                + q_head[:, None] * stride_o_head
-                + offs_d[None, :]
-            )
-            tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            o_row = out_ptr + q_tok * stride_o_tok + q_head * stride_o_head
+            _store_chunk(o_row, 1, row_ok, o0 * o_scale[:, None], 0, DC)
+            if CHUNKS >= 2:
+                _store_chunk(o_row, 1, row_ok, o1 * o_scale[:, None], 1, DC)
+            if CHUNKS >= 4:
+                _store_chunk(o_row, 1, row_ok, o2 * o_scale[:, None], 2, DC)
+                _store_chunk(o_row, 1, row_ok, o3 * o_scale[:, None], 3, DC)
             if WRITE_LSE:
                 tl.store(lse_ptr + q_tok * stride_lse_tok + q_head, lse2 * LN2, mask=row_ok)
         else:
             p_base = slot.to(tl.int64) * ROWS
-            tl.store(
-                partial_out_ptr + (p_base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :],
-                result,
-                mask=row_ok[:, None],
-            )
+            p_row = partial_out_ptr + (p_base + offs_m) * HEAD_DIM
+            _store_chunk(p_row, 1, row_ok, o0 * o_scale[:, None], 0, DC)
+            if CHUNKS >= 2:
+                _store_chunk(p_row, 1, row_ok, o1 * o_scale[:, None], 1, DC)
+            if CHUNKS >= 4:
+                _store_chunk(p_row, 1, row_ok, o2 * o_scale[:, None], 2, DC)
+                _store_chunk(p_row, 1, row_ok, o3 * o_scale[:, None], 3, DC)
             tl.store(partial_lse_ptr + p_base + offs_m, lse2, mask=row_ok)

@@ -1,7 +1,7 @@
 """Launch parameters of the decode kernels, and where they come from.
 
 Resolution order for the grid: explicit ``num_programs`` > tuning table > default
-(``DEFAULT_GRID_MULTIPLIER`` programs per SM). Tile shapes come from
+(:func:`default_grid_multiplier` programs per SM). Tile shapes come from
 :func:`decode_launch_config`. Figures behind the defaults: ``benchmarks/NOTES.md``.
 """
 
@@ -13,9 +13,13 @@ import functools
 import torch
 
 DEFAULT_PARTITION = 256  # tokens per partition (the seed's)
-# Two programs per SM: on the H200 (FP8, 16/1 heads, 128 x 8192) one program per SM reached
-# 32% of the read ceiling and two 49-54%; three or four were no better (2026-11-30 sweep).
+# Programs per SM. Measured on the H200 (FP8, 16/1 heads, 128 x 8192, head_dim chunks of
+# 64; benchmarks/NOTES.md, session 2): with <= 16 query rows per kv head, 2-warp programs
+# four to an SM reach 72% of the read ceiling (two per SM: 54-61%); with more rows, 4-warp
+# programs two to an SM reach 53% (four per SM: 50%).
 DEFAULT_GRID_MULTIPLIER = 2
+SMALL_ROWS_GRID_MULTIPLIER = 4
+SMALL_ROWS = 16  # query rows per kv head (query_len x group) served by the small-row config
 # Programs-per-SM stand-in when running through the interpreter on CPU: small, so CI is fast.
 CPU_SM_COUNT = 4
 
@@ -28,16 +32,41 @@ class DecodeLaunchConfig:
     tma: bool = True  # bulk tensor copies of page-contiguous tiles where the cache allows
     unmasked_loop: bool = True  # full tiles skip masks; only the tail tiles are masked
     qk_fp16: bool = True  # a bf16 query meets FP8 keys in fp16 (exact; cheaper conversion)
+    # Q, K, V and the accumulator are cut along head_dim into chunks this wide (1, 2 or 4
+    # chunks), so one chunk of the converted K/V tile is live in registers at a time.
+    head_chunk: int = 64
+    maxnreg: int | None = None  # register cap per thread (more programs fit per SM; may spill)
+
+
+def default_grid_multiplier(rows: int) -> int:
+    """Programs per SM for ``rows`` query rows per kv head (``query_len x group``)."""
+    return SMALL_ROWS_GRID_MULTIPLIER if rows <= SMALL_ROWS else DEFAULT_GRID_MULTIPLIER
 
 
 def decode_launch_config(
     *, head_dim: int, rows: int, kv_dtype: torch.dtype, partition_size: int
 ) -> DecodeLaunchConfig:
     """Tile shape for the decode kernel (the caller caps ``block_n`` at the partition size and,
-    on the bulk-copy path, the page size). Measured on the H200: 128-token tiles with 4 warps
-    and 3 stages beat 64-token tiles and 8 warps at query_len 1 and 4 (NOTES.md)."""
+    on the bulk-copy path, the page size). Measured on the H200 (NOTES.md, session 2): 128-token
+    tiles cut into 64-wide head_dim chunks; 2 warps for <= 16 rows, else 4 warps and, for FP8,
+    5 stages (with the page-id load in the loop, Triton double-buffers the tiles from 5 on)."""
     block_n = 128 if head_dim <= 128 else 64
-    return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=3)
+    if rows <= SMALL_ROWS:
+        return DecodeLaunchConfig(block_n=block_n, num_warps=2, num_stages=3)
+    stages = 5 if kv_dtype == torch.float8_e4m3fn else 3
+    return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages)
+
+
+def head_chunks(config: DecodeLaunchConfig, head_dim: int) -> int:
+    """How many head_dim chunks the kernel uses: 1, 2 or 4 (a chunk >= head_dim is one)."""
+    chunk = min(config.head_chunk, head_dim)
+    chunks = head_dim // chunk
+    if chunk * chunks != head_dim or chunks not in (1, 2, 4):
+        raise ValueError(
+            f"launch_config.head_chunk={config.head_chunk} with head_dim={head_dim}: expected "
+            f"a width that cuts head_dim into 1, 2 or 4 equal chunks"
+        )
+    return chunks
 
 
 @functools.cache
@@ -52,9 +81,7 @@ def sm_count(device: torch.device) -> int:
     return CPU_SM_COUNT
 
 
-def default_num_programs(
-    device: torch.device, num_kv_heads: int, grid_multiplier: int = DEFAULT_GRID_MULTIPLIER
-) -> int:
+def default_num_programs(device: torch.device, num_kv_heads: int, grid_multiplier: int) -> int:
     """SMs x multiplier, rounded up to a multiple of ``num_kv_heads``."""
     n = sm_count(device) * grid_multiplier
     return -(-n // num_kv_heads) * num_kv_heads

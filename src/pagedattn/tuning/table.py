@@ -60,8 +60,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .launch import DEFAULT_GRID_MULTIPLIER
-
 __all__ = [
     "COLUMNS",
     "DEFAULT_GRID",
@@ -108,9 +106,9 @@ COLUMNS = (
     "date",
 )
 
-#: What ``lookup_grid`` returns when no table has an answer: ``DEFAULT_GRID_MULTIPLIER`` programs
-#: per SM, and the planner's own partition size.
-DEFAULT_GRID: tuple[int, int | None] = (DEFAULT_GRID_MULTIPLIER, None)
+#: What ``lookup_grid`` returns when no table has an answer: None for both, meaning the
+#: planner's own grid multiplier (it depends on the query rows per kv head) and partition size.
+DEFAULT_GRID: tuple[int | None, int | None] = (None, None)
 
 #: Directory of the shipped per-device tables (a module attribute so tests can point it away).
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -804,7 +802,7 @@ def _load(path: str) -> dict[tuple, tuple[int, int | None]]:
         _warn_once(
             path,
             f"{exc}. This table is ignored and the decode grid falls back to other tables or "
-            f"the default {DEFAULT_GRID}; fix or delete the file, or re-run `pagedattn tune`.",
+            f"the planner's default grid; fix or delete the file, or re-run `pagedattn tune`.",
             stacklevel=3,
         )
         rows = []
@@ -822,7 +820,7 @@ def _load(path: str) -> dict[tuple, tuple[int, int | None]]:
             f"tuning table {path}: {len(rows) - len(usable)} of {len(rows)} rows were tuned "
             f"with pagedattn {', '.join(sorted(stale_versions))}, but this is pagedattn "
             f"{running}; those rows are ignored and their shapes fall back to other rows or "
-            f"the default {DEFAULT_GRID}. Re-run `pagedattn tune` to refresh them.",
+            f"the planner's default grid. Re-run `pagedattn tune` to refresh them.",
             stacklevel=3,
         )
     _TABLES[path] = usable
@@ -855,7 +853,7 @@ def _choose(key: TuningKey, table: Mapping[tuple, tuple[int, int | None]]):
     return best
 
 
-def lookup_grid(key: TuningKey) -> tuple[int, int | None]:
+def lookup_grid(key: TuningKey) -> tuple[int | None, int | None]:
     """Tuned ``(grid_multiplier, partition_size)`` for a key; never raises.
 
     The shipped table of the key's device and the user table are merged, user rows replacing
@@ -866,8 +864,8 @@ def lookup_grid(key: TuningKey) -> tuple[int, int | None]:
        (query_len, heads, head_dim, page_size, kv_dtype, kv_scale), the nearest bucket wins:
        the smallest ``|log2(batch_bucket) - log2(b)| + |log2(context_bucket) - log2(c)|``,
        ties going to the larger ``context_bucket``, then to the larger ``batch_bucket``;
-    3. else ``DEFAULT_GRID``: ``DEFAULT_GRID_MULTIPLIER`` programs per SM, the planner's
-       partition size.
+    3. else ``DEFAULT_GRID`` = ``(None, None)``: the planner's own grid multiplier
+       (:func:`pagedattn.tuning.launch.default_grid_multiplier`) and partition size.
 
     Each file is read once per process (see ``clear_cache``); a missing file counts as empty.
     A broken file is ignored and rows tuned by another pagedattn major.minor version are
@@ -880,9 +878,8 @@ def lookup_grid(key: TuningKey) -> tuple[int, int | None]:
 
     Returns
     -------
-    tuple of (int, int or None)
-        ``(grid_multiplier, partition_size)``; ``partition_size`` None means "planner's
-        default".
+    tuple of (int or None, int or None)
+        ``(grid_multiplier, partition_size)``; None means "the planner's default".
     """
     try:
         user = os.path.abspath(user_table_path())
@@ -898,7 +895,7 @@ def lookup_grid(key: TuningKey) -> tuple[int, int | None]:
         _warn_once(
             "lookup",
             f"pagedattn tuning lookup failed ({type(exc).__name__}: {exc}); using the default "
-            f"grid {DEFAULT_GRID}.",
+            "grid.",
             stacklevel=2,
         )
         return DEFAULT_GRID

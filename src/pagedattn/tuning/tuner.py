@@ -6,13 +6,13 @@ reducer included) captured in a CUDA graph: ``R`` steps over ``R`` disjoint copi
 KV cache (``R * kv_bytes >= 256 MB`` so no copy is still in L2 when its turn comes, ``R <= 64``),
 replayed and timed with CUDA events; a candidate's time is the median over ``--rounds`` rounds.
 
-The default multiplier (``DEFAULT_GRID_MULTIPLIER``) is timed twice, first and last; the
-relative difference of the two is the run-to-run noise, and their mean is ``default_us``. A
-non-default multiplier is chosen only if it beats ``default_us`` by more than that noise, so
-the tuned grid is never slower than the default beyond noise. The winner is checked against
-the float64 reference (``‖out − ref‖ / ‖ref‖`` below 2e-2 for FP8 KV, 1e-2 otherwise); a
-failing winner is reported and not written. Each tuned shape is upserted on its own, so an
-interrupted run keeps what it finished.
+The default multiplier (the planner's, for the shape's query rows) is timed twice, first and
+last; the relative difference of the two is the run-to-run noise, and their mean is
+``default_us``. A non-default multiplier is chosen only if it beats ``default_us`` by more than
+that noise, so the tuned grid is never slower than the default beyond noise. The winner is
+checked against the float64 reference (``‖out − ref‖ / ‖ref‖`` below 2e-2 for FP8 KV, 1e-2
+otherwise); a failing winner is reported and not written. Each tuned shape is upserted on its
+own, so an interrupted run keeps what it finished.
 
 Everything but :class:`CudaBackend` is plain Python: :func:`tune_shape` takes the timing and
 checking functions as arguments and :func:`main` takes a ``backend``, so the logic is testable
@@ -37,7 +37,7 @@ import torch
 
 from pagedattn._cli_args import int_list
 from pagedattn.tuning import graphs
-from pagedattn.tuning.launch import DEFAULT_GRID_MULTIPLIER, default_num_programs, sm_count
+from pagedattn.tuning.launch import default_grid_multiplier, default_num_programs, sm_count
 from pagedattn.tuning.table import (
     COLUMNS,
     bucket,
@@ -116,6 +116,11 @@ class Shape:
         p = self.page_size
         if not isinstance(p, int) or not 1 <= p <= 4096 or p & (p - 1):
             raise ValueError(f"page_size: expected a power of two in 1..4096, got {p!r}")
+
+    @property
+    def default_multiplier(self) -> int:
+        """The planner's programs per SM for this shape (no table, no ``num_programs``)."""
+        return default_grid_multiplier(self.query_len * (self.num_q_heads // self.num_kv_heads))
 
     @property
     def label(self) -> str:
@@ -225,14 +230,16 @@ def tune_shape(
     time_fn: TimeFn,
     check_fn: CheckFn,
     *,
-    default: int = DEFAULT_GRID_MULTIPLIER,
+    default: int | None = None,
     on_timed: Callable[[Shape, int, float], None] | None = None,
 ) -> ShapeResult:
     """Time the default, every other candidate, the default again; choose; check the winner.
 
-    ``candidates`` need not contain ``default`` (it is always timed). ``on_timed`` is called
-    after each timing (for progress).
+    ``default`` (None: the planner's default for the shape) need not be among ``candidates``;
+    it is always timed. ``on_timed`` is called after each timing (for progress).
     """
+    if default is None:
+        default = shape.default_multiplier
 
     def timed(m: int) -> float:
         us = float(time_fn(shape, m))
@@ -472,8 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--multipliers",
         type=int_list,
         default=[1, 2, 3, 4],
-        help=f"candidate programs per SM (default 1,2,3,4; {DEFAULT_GRID_MULTIPLIER}, the "
-        "default, is always timed)",
+        help="candidate programs per SM (default 1,2,3,4; the planner's default for each "
+        "shape is always timed)",
     )
     p.add_argument("--rounds", type=_positive(int), default=5, help="timing rounds (median)")
     where = p.add_mutually_exclusive_group()
@@ -592,13 +599,14 @@ def main(argv: Sequence[str] | None = None, *, backend: Backend | None = None) -
         path = shipped_table_path(backend.device_name)
     else:
         path = args.table or user_table_path()
-    default = DEFAULT_GRID_MULTIPLIER
-    candidates = list(dict.fromkeys([*args.multipliers, default]))
+    defaults = sorted({shape.default_multiplier for shape in shapes})
+    candidates = list(dict.fromkeys([*args.multipliers, *defaults]))
     print(
         f"tuning {len(shapes)} shape(s) on {backend.device_name} ({backend.sm_count} SMs), "
         f"heads {args.num_q_heads}/{args.num_kv_heads}, head_dim {args.head_dim}, "
         f"page {args.page_size}; multipliers {','.join(map(str, sorted(candidates)))} "
-        f"(default {default}); {'dry run, writing nothing' if args.dry_run else f'table {path}'}"
+        f"(default {','.join(map(str, defaults))}); "
+        f"{'dry run, writing nothing' if args.dry_run else f'table {path}'}"
     )
 
     started = time.monotonic()
@@ -621,7 +629,6 @@ def main(argv: Sequence[str] | None = None, *, backend: Backend | None = None) -
                     candidates,
                     backend.time_us,
                     backend.rel_err,
-                    default=default,
                     on_timed=progress.timed,
                 )
             except Exception as exc:  # one broken shape must not lose the others

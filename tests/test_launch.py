@@ -1,0 +1,45 @@
+"""Launch defaults of the decode kernel (grid multiplier, tile config, head_dim chunks)."""
+
+import pytest
+import torch
+
+from pagedattn.tuning.launch import (
+    DecodeLaunchConfig,
+    decode_launch_config,
+    default_grid_multiplier,
+    head_chunks,
+)
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_grid_multiplier_depends_on_query_rows():
+    assert [default_grid_multiplier(r) for r in (1, 8, 16)] == [4, 4, 4]
+    assert [default_grid_multiplier(r) for r in (17, 32, 64, 128)] == [2, 2, 2, 2]
+
+
+def test_launch_config_small_and_large_row_counts():
+    small = decode_launch_config(head_dim=128, rows=16, kv_dtype=FP8, partition_size=256)
+    assert (small.block_n, small.num_warps, small.num_stages) == (128, 2, 3)
+    large = decode_launch_config(head_dim=128, rows=64, kv_dtype=FP8, partition_size=256)
+    assert (large.block_n, large.num_warps, large.num_stages) == (128, 4, 5)
+    bf16 = decode_launch_config(head_dim=128, rows=64, kv_dtype=torch.bfloat16, partition_size=256)
+    assert bf16.num_stages == 3  # 16-bit tiles: two buffers would halve the programs per SM
+    wide = decode_launch_config(head_dim=256, rows=16, kv_dtype=FP8, partition_size=256)
+    assert wide.block_n == 64 and head_chunks(wide, 256) == 4
+
+
+@pytest.mark.parametrize(
+    "chunk, head_dim, expected",
+    [(64, 64, 1), (64, 128, 2), (64, 256, 4), (32, 128, 4), (512, 128, 1)],
+)
+def test_head_chunks(chunk, head_dim, expected):
+    config = DecodeLaunchConfig(block_n=64, num_warps=4, num_stages=3, head_chunk=chunk)
+    assert head_chunks(config, head_dim) == expected
+
+
+@pytest.mark.parametrize("chunk, head_dim", [(16, 128), (32, 256), (48, 128)])
+def test_head_chunks_rejects_other_counts(chunk, head_dim):
+    config = DecodeLaunchConfig(block_n=64, num_warps=4, num_stages=3, head_chunk=chunk)
+    with pytest.raises(ValueError, match="1, 2 or 4 equal chunks"):
+        head_chunks(config, head_dim)
