@@ -132,7 +132,9 @@ CASES = {
         (200, 7),
         num_q_heads=16,
         num_programs=12,
-        launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, head_chunk=128),
+        launch=DecodeLaunchConfig(
+            block_n=32, num_warps=4, num_stages=2, head_chunk=128, maxnreg=128
+        ),
     ),
     "block-n-128-page16": Case(
         (300, 40),

@@ -15,7 +15,7 @@ import torch
 DEFAULT_PARTITION = 256  # tokens per partition (the seed's)
 # Programs per SM. Measured on the H200 (FP8, 16/1 heads, 128 x 8192, head_dim chunks of
 # 64; benchmarks/NOTES.md, session 2): with <= 16 query rows per kv head, 2-warp programs
-# four to an SM reach 72% of the read ceiling (two per SM: 54-61%); with more rows, 4-warp
+# four to an SM reach 72% of the read ceiling (two per SM: 54-64%); with more rows, 4-warp
 # programs two to an SM reach 53% (four per SM: 50%).
 DEFAULT_GRID_MULTIPLIER = 2
 SMALL_ROWS_GRID_MULTIPLIER = 4
