@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument("--tma", default="1")
     parser.add_argument(
         "--flags",
-        default="110",
-        help="unmasked_loop,qk_fp16,one_loop bits per config, e.g. 110,111,000",
+        default="11",
+        help="unmasked_loop,qk_fp16 bit pairs per config, e.g. 11,10,01,00",
     )
     parser.add_argument("--q-dtype", default="bfloat16")
     parser.add_argument("--stages", default="2")
@@ -101,7 +101,6 @@ def main() -> None:
                 unmasked_loop=flags[0] == "1",
                 qk_fp16=flags[1] == "1",
                 head_chunk=chunk,
-                one_loop=flags[2:3] == "1",
                 maxnreg=regs or None,
             )
             step = functools.partial(pagedattn.paged_decode, *a, plan=plan, launch_config=cfg, **kw)

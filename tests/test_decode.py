@@ -136,20 +136,6 @@ CASES = {
             block_n=32, num_warps=4, num_stages=2, head_chunk=128, maxnreg=128
         ),
     ),
-    "one-loop-fp8-token-qlen3": Case(
-        (90, 33, 3, 64),
-        query_len=3,
-        kv_dtype=FP8,
-        kv_scale="per_token",
-        launch=DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, one_loop=True),
-    ),
-    "one-loop-bf16-window-split": Case(
-        (200, 7, 48),
-        num_q_heads=8,
-        num_programs=12,
-        window=21,
-        launch=DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, one_loop=True),
-    ),
     "block-n-128-page16": Case(
         (300, 40),
         partition_size=256,

@@ -404,7 +404,6 @@ def paged_decode(
         UNMASKED_LOOP=config.unmasked_loop,
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
-        ONE_LOOP=config.one_loop and descriptors is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),

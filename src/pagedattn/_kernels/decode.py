@@ -37,16 +37,6 @@ def _store_chunk(row_ptr, stride_dim, row_ok, x, C: tl.constexpr, DC: tl.constex
 
 
 @triton.jit
-def _mask_scores(s, tok, tok_ok, pos, window, HAS_WINDOW: tl.constexpr):
-    """-inf where a key is past the work's end, after the row's position, or (with a window)
-    too old for the row."""
-    valid = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
-    if HAS_WINDOW:
-        valid = valid & (tok[None, :] > pos[:, None] - window)
-    return tl.where(valid, s, float("-inf"))
-
-
-@triton.jit
 def _load_chunk(
     desc,
     ptr,
@@ -100,11 +90,8 @@ def _pv_chunk(
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASKED: tl.constexpr,
-    tail,
 ):
-    """``o * alpha + P V[:, chunk C]`` (times the tile's V scale with per-token scales).
-
-    MASKED: 0 no, 1 yes, 2 if the runtime flag ``tail`` says so (bulk-copy path only)."""
+    """``o * alpha + P V[:, chunk C]`` (times the tile's V scale with per-token scales)."""
     v = _load_chunk(
         v_desc,
         v_ptr,
@@ -119,13 +106,10 @@ def _pv_chunk(
         PAGE_SIZE,
         BLOCK_N,
         USE_TMA,
-        MASKED == 1,
+        MASKED,
     ).to(p.dtype)
-    if USE_TMA and MASKED == 1:
+    if USE_TMA and MASKED:
         v = tl.where(tok_ok[:, None], v, 0.0)
-    elif USE_TMA and MASKED == 2:  # noqa: SIM102 (compile-time test, then a runtime branch)
-        if tail:
-            v = tl.where(tok_ok[:, None], v, 0.0)
     if SCALE_MODE == 2:
         return o * alpha[:, None] + dot_any(p, v, DOT_FP32) * vs_max
     else:
@@ -185,18 +169,14 @@ def _attend_tile(
     USE_TMA: tl.constexpr,
     QK_FP16: tl.constexpr,
     MASKED: tl.constexpr,
-    tail,
 ):
     """One K/V tile of tokens ``start + offs_n`` through the online softmax.
 
     Q, K, V and the accumulator are split along head_dim into ``CHUNKS`` chunks (1, 2 or 4;
     unused ``q``/``o`` arguments pass through untouched), so only one chunk of the converted
-    K or V tile is live in registers at a time. MASKED: 0 is the hot path (every key of the
-    tile is valid for every row), 1 masks, 2 masks when the runtime flag ``tail`` is set (one
-    loop for all tiles; bulk-copy path only).
+    K or V tile is live in registers at a time. MASKED=False is the hot path: every key of the
+    tile is valid for every row.
     """
-    STATIC_MASK: tl.constexpr = MASKED == 1
-    ANY_MASK: tl.constexpr = MASKED != 0
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     # P (in [0, 1]) meets V in fp16 unless V is bf16: e4m3 and fp16 values are exact in fp16,
     # and fp16 keeps 3 more mantissa bits of P than bf16 (8x smaller error with a bf16 query).
@@ -210,7 +190,7 @@ def _attend_tile(
     if PAGE_SIZE >= BLOCK_N:
         # Tiles are BLOCK_N-aligned, so one page holds the whole tile.
         page = tl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
-    elif STATIC_MASK:
+    elif MASKED:
         page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col, mask=tok_ok, other=0)
     else:
         page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col)
@@ -234,7 +214,7 @@ def _attend_tile(
         PAGE_SIZE,
         BLOCK_N,
         USE_TMA,
-        STATIC_MASK,
+        MASKED,
     )
     s = dot_any(q0, tl.trans(k.to(q0.dtype)), DOT_FP32)
     if CHUNKS >= 2:
@@ -252,7 +232,7 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             USE_TMA,
-            STATIC_MASK,
+            MASKED,
         )
         s = dot_any(q1, tl.trans(k.to(q1.dtype)), DOT_FP32, s)
     if CHUNKS >= 4:
@@ -270,7 +250,7 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             USE_TMA,
-            STATIC_MASK,
+            MASKED,
         )
         s = dot_any(q2, tl.trans(k.to(q2.dtype)), DOT_FP32, s)
         k = _load_chunk(
@@ -287,29 +267,29 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             USE_TMA,
-            STATIC_MASK,
+            MASKED,
         )
         s = dot_any(q3, tl.trans(k.to(q3.dtype)), DOT_FP32, s)
     if QK_FP16:
         s = s * q_row_scale[:, None]
     if SCALE_MODE == 2:
         ks_row = page64 * stride_ks_page + slot_in_page * stride_ks_slot + kv_head * stride_ks_head
-        if ANY_MASK:
+        if MASKED:
             ks = tl.load(k_scale_ptr + ks_row, mask=tok_ok, other=0.0)
         else:
             ks = tl.load(k_scale_ptr + ks_row)
         s = s * (ks * qk_scale)[None, :]
     else:
         s = s * (qk_scale * k_scale)
-    if STATIC_MASK:
-        s = _mask_scores(s, tok, tok_ok, pos, window, HAS_WINDOW)
-    elif MASKED == 2:  # noqa: SIM102 (compile-time test, then a runtime branch)
-        if tail:
-            s = _mask_scores(s, tok, tok_ok, pos, window, HAS_WINDOW)
+    if MASKED:
+        valid = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            valid = valid & (tok[None, :] > pos[:, None] - window)
+        s = tl.where(valid, s, float("-inf"))
 
     # -- online softmax; a row with no key yet keeps m = -inf, so guard the shifts --
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if ANY_MASK:
+    if MASKED:
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_new_safe = m_new
@@ -320,7 +300,7 @@ def _attend_tile(
     # -- accumulate P V, chunk by chunk --
     if SCALE_MODE == 2:
         vs_row = page64 * stride_vs_page + slot_in_page * stride_vs_slot + kv_head * stride_vs_head
-        if ANY_MASK:
+        if MASKED:
             vs = tl.load(v_scale_ptr + vs_row, mask=tok_ok, other=0.0)
         else:
             vs = tl.load(v_scale_ptr + vs_row)
@@ -352,7 +332,6 @@ def _attend_tile(
         DOT_FP32,
         USE_TMA,
         MASKED,
-        tail,
     )
     if CHUNKS >= 2:
         o1 = _pv_chunk(
@@ -376,7 +355,6 @@ def _attend_tile(
             DOT_FP32,
             USE_TMA,
             MASKED,
-            tail,
         )
     if CHUNKS >= 4:
         o2 = _pv_chunk(
@@ -400,7 +378,6 @@ def _attend_tile(
             DOT_FP32,
             USE_TMA,
             MASKED,
-            tail,
         )
         o3 = _pv_chunk(
             o3,
@@ -423,7 +400,6 @@ def _attend_tile(
             DOT_FP32,
             USE_TMA,
             MASKED,
-            tail,
         )
     return m_new, l_i, o0, o1, o2, o3
 
@@ -484,7 +460,6 @@ def _decode_kernel(
     UNMASKED_LOOP: tl.constexpr,
     CHUNKS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    ONE_LOOP: tl.constexpr,  # bulk-copy path only
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     DC: tl.constexpr = HEAD_DIM // CHUNKS
@@ -568,20 +543,15 @@ def _decode_kernel(
         if UNMASKED_LOOP and not HAS_WINDOW:
             unmasked = tl.minimum(token_end, seq_len - QUERY_LEN + 1) - lo
             full_end = lo + tl.maximum(unmasked, 0) // BLOCK_N * BLOCK_N
-        # Two loops unrolled at compile time, unmasked tiles then masked ones; or, with
-        # ONE_LOOP, one loop that masks the tiles from full_end on (a runtime branch).
-        for phase in tl.static_range(1 if ONE_LOOP else 2):
-            if ONE_LOOP:
-                begin = lo
-                end = token_end
-            elif phase == 0:
+        # Two phases unrolled at compile time: unmasked tiles, then masked ones.
+        for phase in tl.static_range(2):
+            if phase == 0:
                 begin = lo
                 end = full_end
             else:
                 begin = full_end
                 end = token_end
-            # The masked tail is at most a tile or two: not pipelined (it would only cost
-            # shared memory).
+            # The masked tail is at most a tile or two: not pipelined, so it adds no registers.
             for start in tl.range(begin, end, BLOCK_N, num_stages=NUM_STAGES if phase == 0 else 1):
                 m_i, l_i, o0, o1, o2, o3 = _attend_tile(
                     m_i,
@@ -634,8 +604,7 @@ def _decode_kernel(
                     DOT_FP32,
                     USE_TMA,
                     QK_FP16,
-                    2 if ONE_LOOP else phase,
-                    start + BLOCK_N > full_end,
+                    phase == 1,
                 )
 
         # -- epilogue: final rows to out, or a partial for the reducer --

@@ -35,9 +35,6 @@ class DecodeLaunchConfig:
     # Q, K, V and the accumulator are cut along head_dim into chunks this wide (1, 2 or 4
     # chunks), so one chunk of the converted K/V tile is live in registers at a time.
     head_chunk: int = 64
-    # One tile loop whose tail tiles are masked by a runtime branch, instead of a second loop
-    # (bulk-copy path only; the second loop costs registers).
-    one_loop: bool = False
     maxnreg: int | None = None  # register cap per thread (more programs fit per SM; may spill)
 
 
