@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--stages", default="2")
     parser.add_argument("--maxnreg", default="0", help="register caps; 0 = none")
     parser.add_argument("--chunk", default="64", help="head_dim chunk widths")
+    parser.add_argument("--page-size", type=int, default=1024)
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -60,7 +61,7 @@ def main() -> None:
             lens,
             num_kv_heads=1,
             head_dim=128,
-            page_size=1024,
+            page_size=args.page_size,
             kv_dtype=FP8,
             kv_scale=args.scale,
             device=device,
@@ -87,7 +88,7 @@ def main() -> None:
                 num_q_heads=16,
                 num_kv_heads=1,
                 head_dim=128,
-                page_size=1024,
+                page_size=args.page_size,
                 query_len=query_len,
                 kv_dtype=FP8,
                 kv_scale=args.scale,
@@ -119,19 +120,21 @@ def main() -> None:
                 pf,
                 st,
                 regs,
+                chunk,
                 ms * 1e3,
                 gbps,
                 100 * gbps / ceiling,
             )
             rows.append(row)
             print(row, flush=True)
-            if best is None or row[9] < best[9]:
+            if best is None or row[9] < best[9]:  # fastest
                 best = row
         print("best:", best)
     print(
-        "| shape | flags | mult | block_n | warps | tma | stages | maxnreg | µs | GB/s | % read |"
+        "| shape | flags | mult | block_n | warps | tma | stages | maxnreg | chunk | µs | GB/s "
+        "| % read |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 

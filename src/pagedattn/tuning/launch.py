@@ -29,7 +29,7 @@ class DecodeLaunchConfig:
     block_n: int  # KV tokens per tile (capped at the partition size)
     num_warps: int
     num_stages: int
-    tma: bool = True  # bulk tensor copies of page-contiguous tiles where the cache allows
+    tma: bool = True  # bulk tensor copies when a page holds a whole tile and strides allow
     unmasked_loop: bool = True  # full tiles skip masks; only the tail tiles are masked
     qk_fp16: bool = True  # a bf16 query meets FP8 keys in fp16 (exact; cheaper conversion)
     # Q, K, V and the accumulator are cut along head_dim into chunks this wide (1, 2 or 4
