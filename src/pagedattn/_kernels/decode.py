@@ -5,6 +5,8 @@ each work is one (sequence, kv head, token range). All ``query_len * group`` que
 kv head are one ``BLOCK_M`` tile, so every K/V tile loaded serves the whole GQA group and all
 new tokens. K/V stream through an online softmax in log2 units; a work that covers its whole
 sequence writes ``out`` (and LSE), a cut one writes its partial slot for the reducer.
+Q, K, V and the accumulator are cut along head_dim into ``CHUNKS`` (1, 2 or 4) chunks, one
+``tl.dot`` each, so only one chunk of a converted K or V tile is live in registers at a time.
 
 Numerics: FP8 K/V are converted to the query dtype exactly (every e4m3 value is a bf16 and an
 fp16 value); per-tensor scales fold into the score scale (K) and the output (V); per-token
