@@ -46,10 +46,11 @@ def default_grid_multiplier(rows: int) -> int:
 def decode_launch_config(
     *, head_dim: int, rows: int, kv_dtype: torch.dtype, partition_size: int
 ) -> DecodeLaunchConfig:
-    """Tile shape for the decode kernel (the caller caps ``block_n`` at the partition size and,
-    on the bulk-copy path, the page size). Measured on the H200 (NOTES.md, session 2): 128-token
-    tiles cut into 64-wide head_dim chunks; 2 warps for <= 16 rows, else 4 warps and, for FP8,
-    5 stages (with the page-id load in the loop, Triton double-buffers the tiles from 5 on)."""
+    """Tile shape for the decode kernel (the caller caps ``block_n`` at the partition size, and
+    uses bulk copies only when a page holds a whole tile). Measured on the H200 (NOTES.md,
+    session 2): 128-token tiles cut into 64-wide head_dim chunks; 2 warps for <= 16 rows, else
+    4 warps and, for FP8, 5 stages (with the page-id load in the loop, Triton double-buffers
+    the tiles from 5 on)."""
     block_n = 128 if head_dim <= 128 else 64
     if rows <= SMALL_ROWS:
         return DecodeLaunchConfig(block_n=block_n, num_warps=2, num_stages=3)
