@@ -31,11 +31,21 @@ def _load_q_chunk(q_row, stride_q_dim, row_ok, C: tl.constexpr, DC: tl.constexpr
 
 
 @triton.jit
-def _store_chunk(row_ptr, stride_dim, row_ok, x, C: tl.constexpr, DC: tl.constexpr):
-    """Stores ``x`` as head-dim chunk ``C`` of the rows at ``row_ptr`` (in the rows' dtype)."""
+def _store_chunk(row_ptr, row_ok, x, C: tl.constexpr, DC: tl.constexpr):
     offs = C * DC + tl.arange(0, DC)
-    ptrs = row_ptr[:, None] + offs[None, :] * stride_dim
-    tl.store(ptrs, x.to(row_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(row_ptr[:, None] + offs[None, :], x.to(row_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _store_rows(row_ptr, row_ok, scale, o0, o1, o2, o3, CHUNKS: tl.constexpr, DC: tl.constexpr):
+    """Stores ``o * scale[:, None]``, chunk by chunk, as the rows at ``row_ptr`` (unit stride on
+    head_dim, in the rows' dtype)."""
+    _store_chunk(row_ptr, row_ok, o0 * scale[:, None], 0, DC)
+    if CHUNKS >= 2:
+        _store_chunk(row_ptr, row_ok, o1 * scale[:, None], 1, DC)
+    if CHUNKS >= 4:
+        _store_chunk(row_ptr, row_ok, o2 * scale[:, None], 2, DC)
+        _store_chunk(row_ptr, row_ok, o3 * scale[:, None], 3, DC)
 
 
 @triton.jit
@@ -68,6 +78,46 @@ def _load_chunk(
             return tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
         else:
             return tl.load(ptrs)
+
+
+@triton.jit
+def _qk_chunk(
+    s,
+    q,
+    k_desc,
+    k_ptr,
+    k_row,
+    stride_k_dim,
+    page,
+    start,
+    kv_head,
+    tok_ok,
+    C: tl.constexpr,
+    DC: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``s + Q[:, chunk C] K[:, chunk C]^T`` (``s`` None: the first chunk)."""
+    k = _load_chunk(
+        k_desc,
+        k_ptr,
+        k_row,
+        stride_k_dim,
+        page,
+        start,
+        kv_head,
+        tok_ok,
+        C,
+        DC,
+        PAGE_SIZE,
+        BLOCK_N,
+        USE_TMA,
+        MASKED,
+    )
+    return dot_any(q, tl.trans(k.to(q.dtype)), DOT_FP32, s)
 
 
 @triton.jit
@@ -202,7 +252,9 @@ def _attend_tile(
     v_row = page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
 
     # -- scores: S = Q K^T (chunk by chunk), in log2 units --
-    k = _load_chunk(
+    s = _qk_chunk(
+        None,
+        q0,
         k_desc,
         k_ptr,
         k_row,
@@ -215,12 +267,14 @@ def _attend_tile(
         DC,
         PAGE_SIZE,
         BLOCK_N,
+        DOT_FP32,
         USE_TMA,
         MASKED,
     )
-    s = dot_any(q0, tl.trans(k.to(q0.dtype)), DOT_FP32)
     if CHUNKS >= 2:
-        k = _load_chunk(
+        s = _qk_chunk(
+            s,
+            q1,
             k_desc,
             k_ptr,
             k_row,
@@ -233,12 +287,14 @@ def _attend_tile(
             DC,
             PAGE_SIZE,
             BLOCK_N,
+            DOT_FP32,
             USE_TMA,
             MASKED,
         )
-        s = dot_any(q1, tl.trans(k.to(q1.dtype)), DOT_FP32, s)
     if CHUNKS >= 4:
-        k = _load_chunk(
+        s = _qk_chunk(
+            s,
+            q2,
             k_desc,
             k_ptr,
             k_row,
@@ -251,11 +307,13 @@ def _attend_tile(
             DC,
             PAGE_SIZE,
             BLOCK_N,
+            DOT_FP32,
             USE_TMA,
             MASKED,
         )
-        s = dot_any(q2, tl.trans(k.to(q2.dtype)), DOT_FP32, s)
-        k = _load_chunk(
+        s = _qk_chunk(
+            s,
+            q3,
             k_desc,
             k_ptr,
             k_row,
@@ -268,10 +326,10 @@ def _attend_tile(
             DC,
             PAGE_SIZE,
             BLOCK_N,
+            DOT_FP32,
             USE_TMA,
             MASKED,
         )
-        s = dot_any(q3, tl.trans(k.to(q3.dtype)), DOT_FP32, s)
     if QK_FP16:
         s = s * q_row_scale[:, None]
     if SCALE_MODE == 2:
@@ -615,21 +673,11 @@ def _decode_kernel(
         o_scale = v_scale / l_safe
         if slot < 0:
             o_row = out_ptr + q_tok * stride_o_tok + q_head * stride_o_head
-            _store_chunk(o_row, 1, row_ok, o0 * o_scale[:, None], 0, DC)
-            if CHUNKS >= 2:
-                _store_chunk(o_row, 1, row_ok, o1 * o_scale[:, None], 1, DC)
-            if CHUNKS >= 4:
-                _store_chunk(o_row, 1, row_ok, o2 * o_scale[:, None], 2, DC)
-                _store_chunk(o_row, 1, row_ok, o3 * o_scale[:, None], 3, DC)
+            _store_rows(o_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)
             if WRITE_LSE:
                 tl.store(lse_ptr + q_tok * stride_lse_tok + q_head, lse2 * LN2, mask=row_ok)
         else:
             p_base = slot.to(tl.int64) * ROWS
             p_row = partial_out_ptr + (p_base + offs_m) * HEAD_DIM
-            _store_chunk(p_row, 1, row_ok, o0 * o_scale[:, None], 0, DC)
-            if CHUNKS >= 2:
-                _store_chunk(p_row, 1, row_ok, o1 * o_scale[:, None], 1, DC)
-            if CHUNKS >= 4:
-                _store_chunk(p_row, 1, row_ok, o2 * o_scale[:, None], 2, DC)
-                _store_chunk(p_row, 1, row_ok, o3 * o_scale[:, None], 3, DC)
+            _store_rows(p_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)
             tl.store(partial_lse_ptr + p_base + offs_m, lse2, mask=row_ok)
