@@ -1,4 +1,5 @@
-"""One decode launch per variant, for Nsight Compute (``ncu -k regex:_decode_kernel``).
+"""One decode launch per query length with the default grid and launch config, for Nsight
+Compute (``ncu -k regex:_decode_kernel``).
 
 ncu --clock-control none --section SpeedOfLight ... python3 scripts/profile_decode.py
 """
@@ -8,7 +9,6 @@ import sys
 import torch
 
 import pagedattn
-from pagedattn.tuning.launch import DecodeLaunchConfig
 
 FP8 = torch.float8_e4m3fn
 batch, context = 128, 8192
@@ -23,7 +23,6 @@ cache = pagedattn.build_paged_cache(
     device="cuda",
     generator=gen,
 )
-sms = torch.cuda.get_device_properties(0).multi_processor_count
 for query_len in [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "1,4").split(",")]:
     q = torch.randn(batch * query_len, 16, 128, generator=gen, device="cuda").to(torch.bfloat16)
     plan = pagedattn.plan_decode(
@@ -35,11 +34,7 @@ for query_len in [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "1,4").
         query_len=query_len,
         kv_dtype=FP8,
         kv_scale="per_tensor",
-        num_programs=2 * sms,
     )
-    cfg = DecodeLaunchConfig(block_n=128, num_warps=4, num_stages=3)
     a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
-    pagedattn.paged_decode(
-        *a, plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale, launch_config=cfg
-    )
+    pagedattn.paged_decode(*a, plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
 torch.cuda.synchronize()
