@@ -81,6 +81,15 @@ def _load_chunk(
 
 
 @triton.jit
+def _token_scales(scale_ptr, offsets, tok_ok, MASKED: tl.constexpr):
+    """Per-token scales of a tile (0 past the work's end in a masked tile)."""
+    if MASKED:
+        return tl.load(scale_ptr + offsets, mask=tok_ok, other=0.0)
+    else:
+        return tl.load(scale_ptr + offsets)
+
+
+@triton.jit
 def _qk_chunk(
     s,
     q,
@@ -333,11 +342,12 @@ def _attend_tile(
     if QK_FP16:
         s = s * q_row_scale[:, None]
     if SCALE_MODE == 2:
-        ks_row = page64 * stride_ks_page + slot_in_page * stride_ks_slot + kv_head * stride_ks_head
-        if MASKED:
-            ks = tl.load(k_scale_ptr + ks_row, mask=tok_ok, other=0.0)
-        else:
-            ks = tl.load(k_scale_ptr + ks_row)
+        ks = _token_scales(
+            k_scale_ptr,
+            page64 * stride_ks_page + slot_in_page * stride_ks_slot + kv_head * stride_ks_head,
+            tok_ok,
+            MASKED,
+        )
         s = s * (ks * qk_scale)[None, :]
     else:
         s = s * (qk_scale * k_scale)
@@ -359,11 +369,12 @@ def _attend_tile(
 
     # -- accumulate P V, chunk by chunk --
     if SCALE_MODE == 2:
-        vs_row = page64 * stride_vs_page + slot_in_page * stride_vs_slot + kv_head * stride_vs_head
-        if MASKED:
-            vs = tl.load(v_scale_ptr + vs_row, mask=tok_ok, other=0.0)
-        else:
-            vs = tl.load(v_scale_ptr + vs_row)
+        vs = _token_scales(
+            v_scale_ptr,
+            page64 * stride_vs_page + slot_in_page * stride_vs_slot + kv_head * stride_vs_head,
+            tok_ok,
+            MASKED,
+        )
         # Normalise by the tile's largest scale so p * vs stays out of fp16 subnormals.
         vs_max = tl.max(vs, axis=0)
         vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
