@@ -340,8 +340,8 @@ def paged_decode(
     )
     # Tiles never straddle a partition (works start on partition boundaries). Bulk copies need
     # the whole tile inside one page (_tma_descriptors says None otherwise); with smaller pages
-    # the gather path keeps the full tile
-    # (H200, page 16, 128 x 8192: 60% of the read ceiling against 34% for page-sized copies).
+    # the gather path keeps the full tile (H200, page 16, 128 x 8192: 60% of the read ceiling
+    # against 34% for page-sized copies).
     block_n = min(config.block_n, plan.partition_size)
     chunks = head_chunks(config, shape.head_dim)
     descriptors = None
