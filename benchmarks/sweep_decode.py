@@ -18,7 +18,7 @@ import torch
 import pagedattn
 from benchmarks.ceiling import measure_read_gbps
 from benchmarks.timing import time_graph
-from pagedattn.tuning.launch import DecodeLaunchConfig
+from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
 
 FP8 = torch.float8_e4m3fn
 GRAPH_CALLS = 8  # calls per captured graph; each shape's KV is far larger than L2
@@ -47,6 +47,12 @@ def main() -> None:
     parser.add_argument("--maxnreg", default="0", help="register caps; 0 = none")
     parser.add_argument("--chunk", default="64", help="head_dim chunk widths")
     parser.add_argument("--page-size", type=int, default=1024)
+    parser.add_argument(
+        "--reduce",
+        default="auto",
+        help="reducer tiles, ';'-separated: auto (the default heuristic) or "
+        "block_r:block_d:slot_block:stages:warps",
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -73,7 +79,7 @@ def main() -> None:
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         best = None
-        for flags, mult, bn, warps, pf, st, regs, chunk in itertools.product(
+        for flags, mult, bn, warps, pf, st, regs, chunk, red in itertools.product(
             args.flags.split(","),
             [int(x) for x in args.mults.split(",")],
             [int(x) for x in args.block_n.split(",")],
@@ -82,6 +88,7 @@ def main() -> None:
             [int(x) for x in args.stages.split(",")],
             [int(x) for x in args.maxnreg.split(",")],
             [int(x) for x in args.chunk.split(",")],
+            args.reduce.split(";"),
         ):
             plan = pagedattn.plan_decode(
                 cache.seq_lens,
@@ -103,6 +110,9 @@ def main() -> None:
                 qk_fp16=flags[1] == "1",
                 head_chunk=chunk,
                 maxnreg=regs or None,
+                reduce=None
+                if red == "auto"
+                else ReduceLaunchConfig(*(int(x) for x in red.split(":"))),
             )
             step = functools.partial(pagedattn.paged_decode, *a, plan=plan, launch_config=cfg, **kw)
             try:
@@ -121,20 +131,21 @@ def main() -> None:
                 st,
                 regs,
                 chunk,
+                red,
                 ms * 1e3,
                 gbps,
                 100 * gbps / ceiling,
             )
             rows.append(row)
             print(row, flush=True)
-            if best is None or row[9] < best[9]:  # fastest
+            if best is None or row[10] < best[10]:  # fastest
                 best = row
         print("best:", best)
     print(
-        "| shape | flags | mult | block_n | warps | tma | stages | maxnreg | chunk | µs | GB/s "
-        "| % read |"
+        "| shape | flags | mult | block_n | warps | tma | stages | maxnreg | chunk | reduce | µs "
+        "| GB/s | % read |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 

@@ -12,7 +12,7 @@ from conftest import DEVICE, ON_GPU, rel_err, requires_gpu
 
 import pagedattn
 from pagedattn.reference import paged_decode_torch
-from pagedattn.tuning.launch import DecodeLaunchConfig
+from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
 
 FP8 = torch.float8_e4m3fn
 
@@ -134,6 +134,22 @@ CASES = {
         num_programs=12,
         launch=DecodeLaunchConfig(
             block_n=32, num_warps=4, num_stages=2, head_chunk=128, maxnreg=128
+        ),
+    ),
+    # Reducer tiles smaller than the merge: 3 row blocks (the last part masked), 4 column
+    # blocks, 2 partials per pipelined step, 11 partials for the long sequence.
+    "reduce-small-tiles-qlen3-group3": Case(
+        (700, 90),
+        num_q_heads=3,
+        query_len=3,
+        num_programs=13,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        launch=DecodeLaunchConfig(
+            block_n=16,
+            num_warps=4,
+            num_stages=2,
+            reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, num_stages=3),
         ),
     ),
     "block-n-128-page16": Case(

@@ -5,9 +5,11 @@ import torch
 
 from pagedattn.tuning.launch import (
     DecodeLaunchConfig,
+    ReduceLaunchConfig,
     decode_launch_config,
     default_grid_multiplier,
     head_chunks,
+    reduce_launch_config,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -43,3 +45,36 @@ def test_head_chunks_rejects_other_counts(chunk, head_dim):
     config = DecodeLaunchConfig(block_n=64, num_warps=4, num_stages=3, head_chunk=chunk)
     with pytest.raises(ValueError, match="1, 2 or 4 equal chunks"):
         head_chunks(config, head_dim)
+
+
+@pytest.mark.parametrize(
+    "rows, head_dim, records, expected",
+    [
+        (16, 128, 1, (16, 16, 16)),  # one long sequence: 8 programs of 16 x 16
+        (64, 128, 1, (16, 16, 16)),  # 4 x 8 programs
+        (16, 128, 64, (16, 32, 8)),  # many records: wide tiles
+        (16, 128, 256, (16, 128, 2)),
+        (64, 128, 64, (64, 32, 2)),
+        (64, 128, 16, (16, 32, 8)),
+        (1, 64, 1, (1, 16, 64)),  # MQA, one row
+        (9, 64, 3, (16, 16, 16)),
+    ],
+)
+def test_reduce_launch_config(rows, head_dim, records, expected):
+    red = reduce_launch_config(rows=rows, head_dim=head_dim, records=records, sm_count=132)
+    assert (red.block_r, red.block_d, red.slot_block) == expected
+    assert red.check(head_dim) is red
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ReduceLaunchConfig(block_r=3, block_d=16, slot_block=4),
+        ReduceLaunchConfig(block_r=4, block_d=256, slot_block=4),
+        ReduceLaunchConfig(block_r=4, block_d=16, slot_block=0),
+        ReduceLaunchConfig(block_r=4, block_d=24, slot_block=4),
+    ],
+)
+def test_reduce_launch_config_rejects_bad_tiles(config):
+    with pytest.raises(ValueError, match=r"launch_config\.reduce"):
+        config.check(128)

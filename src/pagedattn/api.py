@@ -25,6 +25,7 @@ from .tuning.launch import (
     default_num_programs,
     device_name,
     head_chunks,
+    reduce_launch_config,
     sm_count,
 )
 from .tuning.table import TuningKey, lookup_grid
@@ -33,8 +34,6 @@ LOG2E = 1.4426950408889634
 _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE_TOKEN}
 # Sequences the scheduler holds at once; a larger batch is scanned in chunks of this size.
 _SCHEDULE_BLOCK = 2048
-# Elements of partial output one reducer program merges per step (slots x rows x head_dim).
-_REDUCE_TILE = 4096
 
 
 def plan_decode(
@@ -409,11 +408,15 @@ def paged_decode(
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
     if plan.reduces.shape[0] > 0:
-        # Several programs per record (one per head_dim slice) and several partials per step
-        # keep a long sequence's merge from being one serial chain of loads.
-        block_d = 32
-        slot_block = max(1, min(8, _REDUCE_TILE // (block_m * block_d)))
-        _reduce_kernel[(plan.reduces.shape[0], shape.head_dim // block_d)](
+        red = config.reduce or reduce_launch_config(
+            rows=rows,
+            head_dim=shape.head_dim,
+            records=plan.reduces.shape[0],
+            sm_count=sm_count(q.device),
+        )
+        red.check(shape.head_dim)
+        row_blocks = triton.cdiv(rows, red.block_r)
+        _reduce_kernel[(plan.reduces.shape[0], row_blocks, shape.head_dim // red.block_d)](
             plan.reduces,
             plan.partial_out,
             plan.partial_lse,
@@ -425,10 +428,11 @@ def paged_decode(
             QUERY_LEN=shape.query_len,
             GROUP=group,
             HEAD_DIM=shape.head_dim,
-            BLOCK_M=block_m,
-            BLOCK_D=block_d,
-            SLOT_BLOCK=slot_block,
+            BLOCK_R=red.block_r,
+            BLOCK_D=red.block_d,
+            SLOT_BLOCK=red.slot_block,
+            NUM_STAGES=red.num_stages,
             WRITE_LSE=return_lse,
-            num_warps=4,
+            num_warps=red.num_warps,
         )
     return (out, lse) if return_lse else out

@@ -1,11 +1,14 @@
 """Deterministic split reducer: merges the partials of each cut (sequence, kv head).
 
-Grid = (reduce records of the plan, head_dim / BLOCK_D): each program merges one record's
-partials over one slice of head_dim, so a long sequence cut into many partials is merged by
-several programs at once. Unused records (``seq == -1``) exit at once, so the grid can be
-sized from host-known bounds. Partials are taken SLOT_BLOCK at a time in slot order (= token
-order) and merged by a float32 log-sum-exp merge whose order depends only on the plan, so
-repeated runs over the same inputs and plan give identical bits.
+Grid = (reduce records of the plan, row blocks, head_dim / BLOCK_D): each program merges one
+record's partials over ``BLOCK_R`` query rows and ``BLOCK_D`` columns (the host picks the tile
+so that few records still spread over many programs; ``tuning/launch.py``). Unused records
+(``seq == -1``) exit at once, so the grid can be sized from host-known bounds.
+
+Partials are taken ``SLOT_BLOCK`` at a time in slot order (= token order) and merged by a
+float32 log-sum-exp merge (``NUM_STAGES`` > 1 pipelines the blocks' loads; measured slower
+on the H200, so off by default). The order of every float32 operation depends only on the
+plan, so repeated runs over the same inputs and plan give identical bits.
 """
 
 import triton
@@ -27,9 +30,10 @@ def _reduce_kernel(
     QUERY_LEN: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SLOT_BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
@@ -39,28 +43,27 @@ def _reduce_kernel(
         kv_head = tl.load(rec + 1)
         first_slot = tl.load(rec + 2)
         num_slots = tl.load(rec + 3)
-        d0 = tl.program_id(1) * BLOCK_D
         offs_j = tl.arange(0, SLOT_BLOCK)
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        d0 = tl.program_id(2) * BLOCK_D
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        row_ok = offs_m < ROWS
+        row_ok = offs_r < ROWS
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for j0 in range(0, num_slots, SLOT_BLOCK):
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for j0 in tl.range(0, num_slots, SLOT_BLOCK, num_stages=NUM_STAGES):
             slot = (first_slot + j0 + offs_j).to(tl.int64)
-            slot_ok = j0 + offs_j < num_slots
-            ok = slot_ok[:, None] & row_ok[None, :]
-            # [SLOT_BLOCK, BLOCK_M]: a partial with no key for a row has lse = -inf, weight 0.
+            ok = (j0 + offs_j < num_slots)[:, None] & row_ok[None, :]
+            # [SLOT_BLOCK, BLOCK_R]: a partial with no key for a row has lse = -inf, weight 0.
             lse = tl.load(
-                partial_lse_ptr + slot[:, None] * ROWS + offs_m[None, :],
+                partial_lse_ptr + slot[:, None] * ROWS + offs_r[None, :],
                 mask=ok,
                 other=float("-inf"),
             )
             part = tl.load(
                 partial_out_ptr
-                + (slot[:, None, None] * ROWS + offs_m[None, :, None]) * HEAD_DIM
+                + (slot[:, None, None] * ROWS + offs_r[None, :, None]) * HEAD_DIM
                 + offs_d[None, None, :],
                 mask=ok[:, :, None],
                 other=0.0,
@@ -74,8 +77,8 @@ def _reduce_kernel(
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        tok = (seq * QUERY_LEN + offs_m // GROUP).to(tl.int64)
-        head = kv_head * GROUP + offs_m % GROUP
+        tok = (seq * QUERY_LEN + offs_r // GROUP).to(tl.int64)
+        head = kv_head * GROUP + offs_r % GROUP
         o_ptrs = (
             out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         )

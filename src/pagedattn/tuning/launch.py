@@ -11,6 +11,7 @@ import dataclasses
 import functools
 
 import torch
+import triton
 
 DEFAULT_PARTITION = 256  # tokens per partition (the seed's)
 # Programs per SM. Measured on the H200 (FP8, 16/1 heads, 128 x 8192, head_dim chunks of
@@ -25,6 +26,31 @@ CPU_SM_COUNT = 4
 
 
 @dataclasses.dataclass(frozen=True)
+class ReduceLaunchConfig:
+    """Tile of the split reducer: one program merges ``block_r`` rows x ``block_d`` columns of
+    one cut sequence's partials, ``slot_block`` partials per step (``num_stages`` > 1
+    pipelines the steps' loads)."""
+
+    block_r: int
+    block_d: int
+    slot_block: int
+    num_stages: int = 1
+    num_warps: int = 4
+
+    def check(self, head_dim: int) -> ReduceLaunchConfig:
+        """Returns itself after checking that its sizes are powers of two that suit
+        ``head_dim``; raises ValueError otherwise."""
+        sizes = dict(block_r=self.block_r, block_d=self.block_d, slot_block=self.slot_block)
+        bad = {k: v for k, v in sizes.items() if v < 1 or v & (v - 1)}
+        if bad or head_dim % self.block_d:
+            raise ValueError(
+                f"launch_config.reduce: expected powers of two with block_d dividing "
+                f"head_dim={head_dim}, got {sizes}"
+            )
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeLaunchConfig:
     block_n: int  # KV tokens per tile (capped at the partition size)
     num_warps: int
@@ -36,6 +62,7 @@ class DecodeLaunchConfig:
     # chunks), so one chunk of the converted K/V tile is live in registers at a time.
     head_chunk: int = 64
     maxnreg: int | None = None  # register cap per thread (more programs fit per SM; may spill)
+    reduce: ReduceLaunchConfig | None = None  # None: reduce_launch_config's default
 
 
 def default_grid_multiplier(rows: int) -> int:
@@ -56,6 +83,35 @@ def decode_launch_config(
         return DecodeLaunchConfig(block_n=block_n, num_warps=2, num_stages=3)
     stages = 5 if kv_dtype == torch.float8_e4m3fn else 3
     return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages)
+
+
+def reduce_launch_config(
+    *, rows: int, head_dim: int, records: int, sm_count: int
+) -> ReduceLaunchConfig:
+    """Reducer tile for ``records`` possible cut sequences (the plan's bound).
+
+    Aims at about one program per SM in all (the merge's tiles take ~200 registers a thread,
+    so few programs fit per SM): many records keep wide tiles (all rows, 32+ columns; one
+    round trip for a few partials each), few records (one long sequence cut into hundreds of
+    partials) split rows and columns down to 16 x 16 so the merge spreads over many programs.
+    4096 partial elements per step, not pipelined. Measured on the H200: benchmarks/NOTES.md
+    (step 18).
+    """
+    block_r = triton.next_power_of_2(rows)
+    block_d = head_dim
+    target = -(-sm_count // max(records, 1))
+
+    def programs():
+        return -(-rows // block_r) * (head_dim // block_d)
+
+    while programs() < target and block_d > 32:
+        block_d //= 2
+    while programs() < target and block_r > 16:
+        block_r //= 2
+    while programs() < target and block_d > 16:
+        block_d //= 2
+    slot_block = max(1, min(64, 4096 // (block_r * block_d)))
+    return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
 
 
 def head_chunks(config: DecodeLaunchConfig, head_dim: int) -> int:
