@@ -290,3 +290,24 @@ def test_max_seq_len_must_be_a_positive_int():
         pagedattn.plan_decode(seq_lens, max_seq_len=0, **kw)
     with pytest.raises(TypeError, match=r"max_seq_len: expected an int, got float"):
         pagedattn.plan_decode(seq_lens, max_seq_len=5.0, **kw)
+
+
+def test_repeated_plans_reuse_the_compiled_launch(monkeypatch):
+    """plan_decode launches through the compiled kernel once a call compiled it (on a GPU);
+    a view offset that breaks 16-byte alignment gets its own compiled kernel, and every plan
+    still equals the NumPy twin."""
+    from pagedattn.api import _launch_schedule
+
+    monkeypatch.setattr(_launch_schedule, "compiled", {})
+    rng = np.random.default_rng(11)
+    for num_programs in (7, 8):  # works start at (num_programs + 1) * 4 bytes: 32 or 36
+        for _ in range(3):
+            lens = rng.integers(1, 300, size=5)
+            plan = make_plan(
+                lens, num_kv_heads=1, group=2, num_programs=num_programs, partition_size=16
+            )
+            check_matches_numpy(plan, lens, 16)
+    if ON_GPU:
+        keys = list(_launch_schedule.compiled)
+        # (NUM_PROGRAMS, works view aligned): one compiled kernel each, hit by later plans.
+        assert sorted((k[2][1], k[5][1]) for k in keys) == [(7, True), (8, False)]

@@ -8,11 +8,10 @@ captured in one CUDA graph and replayed with new ``seq_lens``.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import checks
-from ._kernels.common import interpreting
+from ._kernels.common import CachedLaunch, interpreting
 from ._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_kernel
 from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_kernel
@@ -25,6 +24,7 @@ from .tuning.launch import (
     default_num_programs,
     device_name,
     head_chunks,
+    next_power_of_2,
     reduce_launch_config,
     sm_count,
 )
@@ -34,6 +34,10 @@ LOG2E = 1.4426950408889634
 _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE_TOKEN}
 # Sequences the scheduler holds at once; a larger batch is scanned in chunks of this size.
 _SCHEDULE_BLOCK = 2048
+# The scheduler and the reducer launch through their compiled handles (less host time); the
+# decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
+_launch_schedule = CachedLaunch(_schedule_kernel)
+_launch_reduce = CachedLaunch(_reduce_kernel)
 
 
 def plan_decode(
@@ -152,20 +156,18 @@ def plan_decode(
         plan = reuse
     else:
         plan = allocate_plan(device=device, **sizes)
-    block_b = min(_SCHEDULE_BLOCK, triton.next_power_of_2(max(batch, 16)))
-    _schedule_kernel[(num_programs,)](
-        seq_lens,
-        plan.work_indptr,
-        plan.works,
-        plan.reduces,
-        batch,
-        plan.reduces.shape[0],
-        PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
-        NUM_PROGRAMS=num_programs,
-        GROUP=num_q_heads // num_kv_heads,
-        PARTITION=partition_size,
-        BLOCK_B=block_b,
-        SINGLE_BLOCK=batch <= block_b,
+    block_b = min(_SCHEDULE_BLOCK, next_power_of_2(max(batch, 16)))
+    _launch_schedule(
+        (num_programs,),
+        (seq_lens, plan.work_indptr, plan.works, plan.reduces, batch, plan.reduces.shape[0]),
+        (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION, BLOCK_B, SINGLE_BLOCK
+            num_programs // num_kv_heads,
+            num_programs,
+            num_q_heads // num_kv_heads,
+            partition_size,
+            block_b,
+            batch <= block_b,
+        ),
         num_warps=4 if block_b <= 1024 else 8,
     )
     return plan
@@ -330,7 +332,7 @@ def paged_decode(
         sm_scale = shape.head_dim**-0.5
     group = shape.num_q_heads // shape.num_kv_heads
     rows = shape.query_len * group
-    block_m = max(16, triton.next_power_of_2(rows))
+    block_m = max(16, next_power_of_2(rows))
     config = launch_config or decode_launch_config(
         head_dim=shape.head_dim,
         rows=rows,
@@ -415,24 +417,29 @@ def paged_decode(
             sm_count=sm_count(q.device),
         )
         red.check(shape.head_dim)
-        row_blocks = triton.cdiv(rows, red.block_r)
-        _reduce_kernel[(plan.reduces.shape[0], row_blocks, shape.head_dim // red.block_d)](
-            plan.reduces,
-            plan.partial_out,
-            plan.partial_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            lse_arg,
-            lse_stride,
-            QUERY_LEN=shape.query_len,
-            GROUP=group,
-            HEAD_DIM=shape.head_dim,
-            BLOCK_R=red.block_r,
-            BLOCK_D=red.block_d,
-            SLOT_BLOCK=red.slot_block,
-            NUM_STAGES=red.num_stages,
-            WRITE_LSE=return_lse,
+        row_blocks = -(-rows // red.block_r)
+        _launch_reduce(
+            (plan.reduces.shape[0], row_blocks, shape.head_dim // red.block_d),
+            (
+                plan.reduces,
+                plan.partial_out,
+                plan.partial_lse,
+                out,
+                out.stride(0),
+                out.stride(1),
+                lse_arg,
+                lse_stride,
+            ),
+            (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE
+                shape.query_len,
+                group,
+                shape.head_dim,
+                red.block_r,
+                red.block_d,
+                red.slot_block,
+                red.num_stages,
+                return_lse,
+            ),
             num_warps=red.num_warps,
         )
     return (out, lse) if return_lse else out

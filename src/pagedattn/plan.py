@@ -127,16 +127,21 @@ def allocate_plan(
     n_indptr = num_programs + 1
     n_works = max_works * WORK_FIELDS
     n_reduces = max_reduces * REDUCE_FIELDS
+    # Two allocations and one as_strided per view: each torch call costs host time, and a
+    # serving loop may make a plan every step.
     metadata = torch.empty(n_indptr + n_works + n_reduces, dtype=torch.int32, device=device)
-    work_indptr = metadata[:n_indptr]
-    works = metadata[n_indptr : n_indptr + n_works].view(max_works, WORK_FIELDS)
-    reduces = metadata[n_indptr + n_works :].view(max_reduces, REDUCE_FIELDS)
+    work_indptr = metadata.as_strided((n_indptr,), (1,), 0)
+    works = metadata.as_strided((max_works, WORK_FIELDS), (WORK_FIELDS, 1), n_indptr)
+    reduces = metadata.as_strided(
+        (max_reduces, REDUCE_FIELDS), (REDUCE_FIELDS, 1), n_indptr + n_works
+    )
     rows = query_len * (num_q_heads // num_kv_heads)
-    # One float32 allocation for both partial buffers (each allocation costs host time).
     n_out = max_partials * rows * head_dim
     partials = torch.empty(n_out + max_partials * rows, dtype=torch.float32, device=device)
-    partial_out = partials[:n_out].view(max_partials, rows, head_dim)
-    partial_lse = partials[n_out:].view(max_partials, rows)
+    partial_out = partials.as_strided(
+        (max_partials, rows, head_dim), (rows * head_dim, head_dim, 1), 0
+    )
+    partial_lse = partials.as_strided((max_partials, rows), (rows, 1), n_out)
     return DecodePlan(
         batch=batch,
         query_len=query_len,

@@ -2,6 +2,7 @@
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,3 +23,41 @@ def dot_any(a, b, DOT_FP32: tl.constexpr, acc=None):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+class CachedLaunch:
+    """Launches a Triton kernel through its compiled handle once a call with the same
+    specialisation has compiled it, skipping the JIT's per-call binding and cache lookup
+    (host time: benchmarks/NOTES.md, step 20).
+
+    Calls pass the runtime arguments (tensors and ints only) in the kernel's parameter order,
+    then the constexpr values, in order. The key holds everything Triton specialises such
+    arguments on (a tensor's dtype and 16-byte alignment; an int's being 1, its divisibility
+    by 16 and its width), so it is never coarser than Triton's own; the first call with a
+    new key goes through the JIT. Under the interpreter every call does.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled = {}
+
+    def __call__(self, grid, args, constexprs, num_warps):
+        names = self.kernel.arg_names[len(args) :]
+        if interpreting():
+            self.kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=num_warps)
+            return
+        key = (torch.cuda.current_device(), num_warps, constexprs, *map(_specialisation, args))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            kwargs = dict(zip(names, constexprs))
+            self.compiled[key] = self.kernel[grid](*args, **kwargs, num_warps=num_warps)
+        else:
+            compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
+
+
+def _specialisation(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if type(arg) is int:
+        return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
+    raise TypeError(f"CachedLaunch: expected tensor or int arguments, got {type(arg).__name__}")

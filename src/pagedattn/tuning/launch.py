@@ -11,7 +11,6 @@ import dataclasses
 import functools
 
 import torch
-import triton
 
 DEFAULT_PARTITION = 256  # tokens per partition (the seed's)
 # Programs per SM. Measured on the H200 (FP8, 16/1 heads, 128 x 8192, head_dim chunks of
@@ -85,6 +84,12 @@ def decode_launch_config(
     return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages)
 
 
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1). Plain Python: ``triton.next_power_of_2`` is a
+    constexpr function whose host-side call costs microseconds."""
+    return 1 << (n - 1).bit_length()
+
+
 def reduce_launch_config(
     *, rows: int, head_dim: int, records: int, sm_count: int
 ) -> ReduceLaunchConfig:
@@ -97,7 +102,7 @@ def reduce_launch_config(
     4096 partial elements per step, not pipelined. Measured on the H200: benchmarks/NOTES.md
     (step 18).
     """
-    block_r = triton.next_power_of_2(rows)
+    block_r = next_power_of_2(rows)
     block_d = head_dim
     target = -(-sm_count // max(records, 1))
 
