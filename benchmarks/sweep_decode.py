@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", default="0", help="register caps; 0 = none")
     parser.add_argument("--chunk", default="64", help="head_dim chunk widths")
     parser.add_argument("--page-size", type=int, default=1024)
+    parser.add_argument("--partition", default="256", help="partition sizes (tokens)")
+    parser.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16"])
     parser.add_argument(
         "--reduce",
         default="auto",
@@ -63,23 +65,25 @@ def main() -> None:
     for shape in args.shapes.split(","):
         batch, context, query_len = (int(x) for x in shape.split("x"))
         lens = [context] * batch
+        kv_dtype = FP8 if args.kv_dtype == "fp8" else torch.bfloat16
+        kv_scale = args.scale if kv_dtype == FP8 else None
         cache = pagedattn.build_paged_cache(
             lens,
             num_kv_heads=1,
             head_dim=128,
             page_size=args.page_size,
-            kv_dtype=FP8,
-            kv_scale=args.scale,
+            kv_dtype=kv_dtype,
+            kv_scale=kv_scale,
             device=device,
             generator=gen,
         )
         q = torch.randn(batch * query_len, 16, 128, generator=gen, device=device)
         q = q.to(getattr(torch, args.q_dtype))
-        nbytes = kv_bytes(lens, 1, 128, 1, args.scale == "per_token")
+        nbytes = kv_bytes(lens, 1, 128, kv_dtype.itemsize, kv_scale == "per_token")
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         best = None
-        for flags, mult, bn, warps, pf, st, regs, chunk, red in itertools.product(
+        for flags, mult, bn, warps, pf, st, regs, chunk, red, part in itertools.product(
             args.flags.split(","),
             [int(x) for x in args.mults.split(",")],
             [int(x) for x in args.block_n.split(",")],
@@ -89,6 +93,7 @@ def main() -> None:
             [int(x) for x in args.maxnreg.split(",")],
             [int(x) for x in args.chunk.split(",")],
             args.reduce.split(";"),
+            [int(x) for x in args.partition.split(",")],
         ):
             plan = pagedattn.plan_decode(
                 cache.seq_lens,
@@ -97,9 +102,10 @@ def main() -> None:
                 head_dim=128,
                 page_size=args.page_size,
                 query_len=query_len,
-                kv_dtype=FP8,
-                kv_scale=args.scale,
+                kv_dtype=kv_dtype,
+                kv_scale=kv_scale,
                 num_programs=sms * mult,
+                partition_size=part,
             )
             cfg = DecodeLaunchConfig(
                 block_n=bn,
@@ -132,20 +138,21 @@ def main() -> None:
                 regs,
                 chunk,
                 red,
+                part,
                 ms * 1e3,
                 gbps,
                 100 * gbps / ceiling,
             )
             rows.append(row)
             print(row, flush=True)
-            if best is None or row[10] < best[10]:  # fastest
+            if best is None or row[11] < best[11]:  # fastest
                 best = row
         print("best:", best)
     print(
-        "| shape | flags | mult | block_n | warps | tma | stages | maxnreg | chunk | reduce | µs "
-        "| GB/s | % read |"
+        "| shape | flags | mult | block_n | warps | tma | stages | maxnreg | chunk | reduce "
+        "| partition | µs | GB/s | % read |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 

@@ -8,6 +8,7 @@ from pagedattn.tuning.launch import (
     ReduceLaunchConfig,
     decode_launch_config,
     default_grid_multiplier,
+    default_partition,
     head_chunks,
     reduce_launch_config,
 )
@@ -78,3 +79,31 @@ def test_reduce_launch_config(rows, head_dim, records, expected):
 def test_reduce_launch_config_rejects_bad_tiles(config):
     with pytest.raises(ValueError, match=r"launch_config\.reduce"):
         config.check(128)
+
+
+@pytest.mark.parametrize(
+    "batch, max_seq_len, programs_per_head, expected",
+    [
+        (1, 1024, 528, 64),  # 4 partitions of 256 for 528 programs: smaller ones
+        (64, 1024, 528, 128),  # about one partition per program
+        (64, 1024, 264, 256),  # 256 < 264 programs: cdiv(65536, 264) -> 256
+        (1, 8192, 528, 256),  # at most 32 partitions per sequence
+        (1, 32768, 528, 512),  # capped at 512
+        (16, 32768, 528, 256),  # enough partitions of 256: the seed's default
+        (128, 8192, 264, 256),
+        (3, None, 528, 256),  # no hint: the default
+    ],
+)
+def test_default_partition(batch, max_seq_len, programs_per_head, expected):
+    got = default_partition(
+        batch=batch, max_seq_len=max_seq_len, programs_per_head=programs_per_head
+    )
+    assert got == expected
+
+
+def test_launch_config_16_bit_caches_take_64_token_tiles():
+    for rows in (16, 64):
+        config = decode_launch_config(
+            head_dim=128, rows=rows, kv_dtype=torch.bfloat16, partition_size=256
+        )
+        assert config.block_n == 64

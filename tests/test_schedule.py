@@ -9,7 +9,11 @@ from hypothesis import strategies as st
 
 import pagedattn
 from pagedattn.plan import plan_sizes, schedule_numpy
-from pagedattn.tuning.launch import default_grid_multiplier, default_num_programs
+from pagedattn.tuning.launch import (
+    default_grid_multiplier,
+    default_num_programs,
+    default_partition,
+)
 
 
 def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1):
@@ -189,6 +193,19 @@ def test_default_program_count_is_a_multiple_of_kv_heads():
     if ON_GPU:
         sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
         assert default.num_programs == sms * default_grid_multiplier(2) == sms * 4
+    # A max_seq_len hint showing idle programs at 256 tokens picks smaller partitions.
+    hinted = pagedattn.plan_decode(
+        torch.tensor([5], dtype=torch.int32, device=DEVICE),
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        max_seq_len=1024,
+    )
+    assert hinted.partition_size == default_partition(
+        batch=1, max_seq_len=1024, programs_per_head=hinted.num_programs
+    )
+    assert hinted.partition_size == 64
 
 
 def test_empty_batch_plans_no_work():

@@ -17,11 +17,11 @@ from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_kernel
 from .plan import DecodePlan, allocate_plan
 from .tuning.launch import (
-    DEFAULT_PARTITION,
     DecodeLaunchConfig,
     decode_launch_config,
     default_grid_multiplier,
     default_num_programs,
+    default_partition,
     device_name,
     head_chunks,
     next_power_of_2,
@@ -76,14 +76,18 @@ def plan_decode(
         and two otherwise (measured best on the H200, see benchmarks/NOTES.md); rounded up
         to a multiple of ``num_kv_heads``.
     partition_size : int, optional
-        Tokens per partition (the unit of load balance), a power of two >= 16; default 256.
+        Tokens per partition (the unit of load balance), a power of two >= 16. Default: the
+        tuning table's, else 256, or, when ``max_seq_len`` shows that 256-token partitions
+        would leave programs idle (small batches of short sequences), a size in 64..512 that
+        gives about one partition per program
+        (:func:`pagedattn.tuning.launch.default_partition`).
     reuse : DecodePlan, optional
         A plan made earlier for the same sizes whose buffers are refilled instead of allocating
         new ones (what a serving loop does every step).
     max_seq_len : int, optional
         A host-side bound on ``seq_lens`` (engines know it without reading the GPU). It only
-        selects the tuning table's context bucket for the grid size; nothing is checked
-        against it, and leaving it out never syncs either.
+        selects the tuning table's context bucket for the grid size and the default partition
+        size; nothing is checked against it, and leaving it out never syncs either.
 
     Returns
     -------
@@ -130,7 +134,11 @@ def plan_decode(
         if partition_size is None and (tuned_partition or 0) >= checks.MIN_PARTITION:
             partition_size = tuned_partition
     if partition_size is None:
-        partition_size = DEFAULT_PARTITION
+        partition_size = default_partition(
+            batch=batch,
+            max_seq_len=max_seq_len,
+            programs_per_head=num_programs // num_kv_heads,
+        )
     sizes = dict(
         batch=batch,
         query_len=query_len,

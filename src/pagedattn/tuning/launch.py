@@ -74,14 +74,30 @@ def decode_launch_config(
 ) -> DecodeLaunchConfig:
     """Tile shape for the decode kernel (the caller caps ``block_n`` at the partition size, and
     uses bulk copies only when a page holds a whole tile). Measured on the H200 (NOTES.md,
-    session 2): 128-token tiles cut into 64-wide head_dim chunks; 2 warps for <= 16 rows, else
-    4 warps and, for FP8, 5 stages (with the page-id load in the loop, Triton double-buffers
-    the tiles from 5 on)."""
-    block_n = 128 if head_dim <= 128 else 64
+    sessions 2-3): 128-token FP8 tiles cut into 64-wide head_dim chunks; 2 warps for <= 16
+    rows, else 4 warps and, for FP8, 5 stages (with the page-id load in the loop, Triton
+    double-buffers the tiles from 5 on). 16-bit caches take 64-token tiles: 128-token ones
+    need 74 KB of shared memory, so only 3 of the 4 programs per SM fit (two waves)."""
+    block_n = 128 if head_dim <= 128 and kv_dtype == torch.float8_e4m3fn else 64
     if rows <= SMALL_ROWS:
         return DecodeLaunchConfig(block_n=block_n, num_warps=2, num_stages=3)
     stages = 5 if kv_dtype == torch.float8_e4m3fn else 3
     return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages)
+
+
+def default_partition(*, batch: int, max_seq_len: int | None, programs_per_head: int) -> int:
+    """Tokens per partition. The seed's 256, unless the host-side ``max_seq_len`` hint shows
+    that 256-token partitions would leave programs idle (``batch * cdiv(max_seq_len, 256) <
+    programs_per_head``): then about one partition per program, but at most 32 per sequence,
+    as a power of two in 64..512. Measured on the H200 (benchmarks/NOTES.md, step 19): 1 x
+    1024 decode 11.3 -> 8.1 µs (64 tokens), 64 x 1024 14.4 -> 13.0 (128), 1 x 32768 21.0 ->
+    20.0 (512)."""
+    if max_seq_len is None:
+        return DEFAULT_PARTITION
+    if batch * -(-max_seq_len // DEFAULT_PARTITION) >= programs_per_head:
+        return DEFAULT_PARTITION
+    want = max(-(-max_seq_len // 32), -(-batch * max_seq_len // programs_per_head))
+    return min(max(next_power_of_2(want), 64), 512)
 
 
 def next_power_of_2(n: int) -> int:

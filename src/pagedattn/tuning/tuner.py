@@ -373,6 +373,9 @@ class CudaBackend:
                 query_len=shape.query_len,
                 kv_dtype=kv_dtype[shape.kv_dtype],
                 kv_scale=shape.kv_scale,
+                # With the grid given, the hint only picks the partition size: the one the
+                # planner will pick in use.
+                max_seq_len=shape.context,
             ),
         )
         self._shape = shape
