@@ -8,6 +8,8 @@ timed region (``plan_host_us``).
 - ``pagedattn``: the whole step, ``plan_decode`` + ``paged_decode`` (our plan runs on the GPU
   and is graph-capturable, so it belongs inside the timed step).
 - ``pagedattn-decode``: ``paged_decode`` alone with a precomputed plan.
+- ``pagedattn-tuned``: the whole step with the host-side ``max_seq_len`` hint (the tuning
+  table's grid, and the partition size the hint picks for small batches).
 - ``flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) for query_len 1,
   ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for query_len > 1, both in CUDA-graph mode;
   ``plan()`` (host work plus a sync) runs outside the timed region and is reported apart.
@@ -109,7 +111,8 @@ class PagedAttnProvider(Provider):
     """Ours; ``with_plan`` times plan + decode, else decode with a precomputed plan.
 
     ``tuned`` gives the planner the host-side ``max_seq_len`` hint, so the grid comes from the
-    tuning table (shipped per device, or the user's); otherwise the default grid is used.
+    tuning table (shipped per device, or the user's) and small batches get a smaller partition
+    size; otherwise the default grid and partition are used.
     """
 
     is_peer = False

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also a ragged batch (64 sequences, lengths uniform in 256..32768, NumPy seed 0)",
     )
     parser.add_argument(
-        "--providers", help="comma-separated, default all: pagedattn,pagedattn-decode,flashinfer"
+        "--providers",
+        help="comma-separated, default all: pagedattn,pagedattn-decode,pagedattn-tuned,flashinfer",
     )
     parser.add_argument("--out", help="results folder (default: benchmarks/results)")
     parser.add_argument(
