@@ -280,8 +280,10 @@ def paged_decode(
         Add the checks that read values back from the GPU (lengths vs. query_len and the
         block table's capacity, page ids in range). Syncs; not for CUDA-graph capture.
     launch_config : DecodeLaunchConfig, optional
-        Tile shape and pipelining of the decode kernel (for tuners); default from
-        :func:`pagedattn.tuning.launch.decode_launch_config`.
+        Tile shape and pipelining of the decode kernel, and (its ``reduce`` field) the
+        reducer's tile (for tuners); defaults from
+        :func:`pagedattn.tuning.launch.decode_launch_config` and
+        :func:`pagedattn.tuning.launch.reduce_launch_config`.
 
     Returns
     -------
