@@ -89,7 +89,7 @@ def default_partition(*, batch: int, max_seq_len: int | None, programs_per_head:
     """Tokens per partition. The seed's 256, unless the host-side ``max_seq_len`` hint shows
     that 256-token partitions would leave programs idle (``batch * cdiv(max_seq_len, 256) <
     programs_per_head``): then about one partition per program, but at most 32 per sequence,
-    as a power of two in 64..512. Measured on the H200 (benchmarks/NOTES.md, step 19): 1 x
+    as a power of two in 64..512. Measured on the H200 (benchmarks/NOTES.md, step 22): 1 x
     1024 decode 11.3 -> 8.1 µs (64 tokens), 64 x 1024 14.4 -> 13.0 (128), 1 x 32768 21.0 ->
     20.0 (512)."""
     if max_seq_len is None:
