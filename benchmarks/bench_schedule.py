@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import pagedattn
+from benchmarks.providers import host_time_us
 
 
 def gpu_us(fn, reps: int = 20, rounds: int = 30) -> float:
@@ -35,16 +35,6 @@ def gpu_us(fn, reps: int = 20, rounds: int = 30) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
-
-
-def host_us(fn, rounds: int = 200) -> float:
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
 
@@ -79,7 +69,8 @@ def main() -> None:
             def refill(seq_lens=seq_lens, kw=kw, plan=plan):
                 return pagedattn.plan_decode(seq_lens, **kw, reuse=plan)
 
-            g, h, r = gpu_us(refill), host_us(fresh), host_us(refill)
+            g = gpu_us(refill)
+            h, r = host_time_us(fresh, samples=200), host_time_us(refill, samples=200)
             print(f"| {batch} | {sms * mult} | {g:.2f} | {h:.1f} | {r:.1f} |")
 
 

@@ -1,6 +1,6 @@
 """Host time of the public calls, and where it goes (cProfile), on a CUDA GPU.
 
-    python3 scripts/host_overhead.py
+    PYTHONPATH=$PWD/src:$PWD python3 scripts/host_overhead.py
 
 Prints the median wall time of one eager call (synchronised before each, so the GPU queue
 is empty) for plan_decode (fresh and with ``reuse=``), paged_decode with a plan, and their
@@ -9,12 +9,11 @@ parts; then the top functions by own time over 2000 calls of each.
 
 import cProfile
 import pstats
-import statistics
-import time
 
 import torch
 
 import pagedattn
+from benchmarks.providers import host_time_us
 from pagedattn import checks
 from pagedattn.plan import allocate_plan
 
@@ -22,14 +21,8 @@ FP8 = torch.float8_e4m3fn
 
 
 def host_us(fn, rounds=300):
-    fn()
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    fn()  # warm-up (compilation, first allocation)
+    return host_time_us(fn, samples=rounds)
 
 
 def main():
