@@ -42,17 +42,17 @@ class CachedLaunch:
         self.compiled = {}
 
     def __call__(self, grid, args, constexprs, num_warps):
-        names = self.kernel.arg_names[len(args) :]
-        if interpreting():
-            self.kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=num_warps)
-            return
-        key = (torch.cuda.current_device(), num_warps, constexprs, *map(_specialisation, args))
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            kwargs = dict(zip(names, constexprs))
-            self.compiled[key] = self.kernel[grid](*args, **kwargs, num_warps=num_warps)
-        else:
+        compiled = None
+        if not interpreting():
+            key = (torch.cuda.current_device(), num_warps, constexprs, *map(_specialisation, args))
+            compiled = self.compiled.get(key)
+        if compiled is not None:
             compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
+            return
+        kwargs = dict(zip(self.kernel.arg_names[len(args) :], constexprs))
+        result = self.kernel[grid](*args, **kwargs, num_warps=num_warps)
+        if not interpreting():
+            self.compiled[key] = result
 
 
 def _specialisation(arg):
