@@ -1,7 +1,8 @@
 """One decode launch per query length with the default grid and launch config, for Nsight
 Compute (``ncu -k regex:_decode_kernel``).
 
-ncu --clock-control none --section SpeedOfLight ... python3 scripts/profile_decode.py
+ncu --clock-control none --section SpeedOfLight ... \
+    python3 scripts/profile_decode.py [1,4] [128x8192]
 """
 
 import sys
@@ -11,7 +12,7 @@ import torch
 import pagedattn
 
 FP8 = torch.float8_e4m3fn
-batch, context = 128, 8192
+batch, context = (int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "128x8192").split("x"))
 gen = torch.Generator(device="cuda").manual_seed(0)
 cache = pagedattn.build_paged_cache(
     [context] * batch,

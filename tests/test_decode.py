@@ -418,3 +418,35 @@ def test_cache_over_4gib_with_high_page_ids(gen):
     kw = dict(k_scale=k_scale, v_scale=v_scale)
     out = pagedattn.paged_decode(*args, debug=True, **kw)
     assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(FP8, torch.bfloat16)
+
+
+@requires_gpu
+def test_trace_stamps_follow_each_program(gen):
+    """The profiling hook (scripts/trace_decode.py): per program, start <= each traced work's
+    start <= its first tile <= its epilogue <= end; tracing leaves the answer unchanged."""
+    from pagedattn._kernels.decode import TRACE_SLOTS, TRACE_WORKS
+
+    cache, q = seed_step(16, 3000, 1, gen)
+    plan = pagedattn.plan_decode(
+        cache.seq_lens,
+        num_q_heads=16,
+        num_kv_heads=1,
+        head_dim=128,
+        page_size=1024,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+    )
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    trace = torch.zeros(plan.num_programs, TRACE_SLOTS, dtype=torch.int64, device=DEVICE)
+    traced = pagedattn.paged_decode(*args, **kw, _trace=trace)
+    assert torch.equal(traced, pagedattn.paged_decode(*args, **kw))
+    t = trace.cpu()
+    works = torch.diff(plan.work_indptr.cpu())
+    assert (t[:, 0] > 0).all() and (t[:, 1] >= t[:, 0]).all()
+    for p in range(plan.num_programs):
+        stamps = [t[p, 0]]
+        for i in range(min(int(works[p]), TRACE_WORKS)):
+            stamps += [t[p, 2 + 3 * i], t[p, 3 + 3 * i], t[p, 4 + 3 * i]]
+        stamps.append(t[p, 1])
+        assert stamps == sorted(stamps), (p, stamps)

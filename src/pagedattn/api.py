@@ -240,6 +240,7 @@ def paged_decode(
     return_lse: bool = False,
     debug: bool = False,
     launch_config: DecodeLaunchConfig | None = None,
+    _trace: torch.Tensor | None = None,
 ):
     """Paged-attention decode: each sequence's new tokens attend to its paged KV cache.
 
@@ -284,6 +285,10 @@ def paged_decode(
         reducer's tile (for tuners); defaults from
         :func:`pagedattn.tuning.launch.decode_launch_config` and
         :func:`pagedattn.tuning.launch.reduce_launch_config`.
+    _trace : torch.Tensor, optional
+        Profiling only (``scripts/trace_decode.py``, compiled kernels): int64
+        ``[num_programs, TRACE_SLOTS]`` that the decode kernel fills with ``%globaltimer``
+        stamps (see ``pagedattn._kernels.decode``).
 
     Returns
     -------
@@ -398,6 +403,7 @@ def paged_decode(
         plan.partial_lse,
         sm_scale * LOG2E,
         sliding_window or 0,
+        _trace,
         QUERY_LEN=shape.query_len,
         GROUP=group,
         HEAD_DIM=shape.head_dim,
@@ -415,6 +421,7 @@ def paged_decode(
         UNMASKED_LOOP=config.unmasked_loop,
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
+        TRACE=_trace is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),

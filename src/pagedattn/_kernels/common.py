@@ -25,6 +25,14 @@ def dot_any(a, b, DOT_FP32: tl.constexpr, acc=None):
         return tl.dot(a, b, acc)
 
 
+@triton.jit
+def globaltimer():
+    """The GPU's nanosecond clock (``%globaltimer``), for profiling stamps; compiled code only."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
 class CachedLaunch:
     """Launches a Triton kernel through its compiled handle once a call with the same
     specialisation has compiled it, skipping the JIT's per-call binding and cache lookup

@@ -17,10 +17,13 @@ accumulators are float32; Q K^T takes the query dtype, P V takes fp16 (bf16 for 
 import triton
 import triton.language as tl
 
-from .common import LN2, dot_any
+from .common import LN2, dot_any, globaltimer
 
 # Scale modes (constexpr SCALE_MODE).
 SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
+# Profiling stamps per program (TRACE): start, end, then 3 per work for the first TRACE_WORKS.
+TRACE_WORKS = tl.constexpr(4)
+TRACE_SLOTS = tl.constexpr(2 + 3 * TRACE_WORKS.value)
 
 
 @triton.jit
@@ -516,6 +519,7 @@ def _decode_kernel(
     partial_lse_ptr,  # [max_partials, ROWS] float32 (log2 units)
     qk_scale,  # sm_scale * log2(e)
     window,  # sliding window in tokens (used if HAS_WINDOW)
+    trace_ptr,  # int64 [num_programs, TRACE_SLOTS] %globaltimer stamps (profiling; if TRACE)
     QUERY_LEN: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -531,10 +535,16 @@ def _decode_kernel(
     UNMASKED_LOOP: tl.constexpr,
     CHUNKS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     pid = tl.program_id(0)
+    if TRACE:
+        # [0] program start, [1] program end, [2 + 3i + (0, 1, 2)]: work i's start, its first
+        # tile (records and queries loaded), its epilogue; for works i < TRACE_WORKS.
+        trace_row = trace_ptr + pid * TRACE_SLOTS
+        tl.store(trace_row, globaltimer())
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < ROWS
@@ -553,6 +563,11 @@ def _decode_kernel(
     work_begin = tl.load(work_indptr_ptr + pid).to(tl.int64)
     work_end = tl.load(work_indptr_ptr + pid + 1).to(tl.int64)
     for w in range(work_begin, work_end):
+        if TRACE:
+            trace_work = trace_row + 2 + (w - work_begin) * 3
+            trace_on = w - work_begin < TRACE_WORKS
+            if trace_on:
+                tl.store(trace_work, globaltimer())
         rec = works_ptr + w * 8
         seq = tl.load(rec + 1)
         kv_head = tl.load(rec + 2)
@@ -614,6 +629,9 @@ def _decode_kernel(
         if UNMASKED_LOOP and not HAS_WINDOW:
             unmasked = tl.minimum(token_end, seq_len - QUERY_LEN + 1) - lo
             full_end = lo + tl.maximum(unmasked, 0) // BLOCK_N * BLOCK_N
+        if TRACE:
+            if trace_on:
+                tl.store(trace_work + 1, globaltimer())
         # Two phases unrolled at compile time: unmasked tiles, then masked ones.
         for phase in tl.static_range(2):
             if phase == 0:
@@ -679,6 +697,9 @@ def _decode_kernel(
                 )
 
         # -- epilogue: final rows to out, or a partial for the reducer --
+        if TRACE:
+            if trace_on:
+                tl.store(trace_work + 2, globaltimer())
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         o_scale = v_scale / l_safe
@@ -692,3 +713,5 @@ def _decode_kernel(
             p_row = partial_out_ptr + (p_base + offs_m) * HEAD_DIM
             _store_rows(p_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)
             tl.store(partial_lse_ptr + p_base + offs_m, lse2, mask=row_ok)
+    if TRACE:
+        tl.store(trace_row + 1, globaltimer())

@@ -1,0 +1,105 @@
+"""Where the decode kernel's time goes, program by program (GPU only).
+
+    python scripts/trace_decode.py [64x8192x1,16x32768x1,...]
+
+For each shape (FP8 per-tensor, 16/1 heads, head_dim 128, page 1024, default plan and launch
+config): the whole step with a fixed plan timed by CUDA-graph replays, then one decode whose
+programs stamp ``%globaltimer`` at their start and end and at each work's start, first tile
+and epilogue (``paged_decode(_trace=...)``). Printed, in µs from the first program's start:
+when programs start (launch ramp), when they end (tail), and per work the set-up before the
+first tile, the tile loop and the epilogue, with the loop's streaming rate.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+import pagedattn
+from benchmarks.timing import time_graph
+from pagedattn._kernels.decode import TRACE_SLOTS, TRACE_WORKS
+
+FP8 = torch.float8_e4m3fn
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 1, 128, 1024
+
+
+def pct(x, qs=(0, 50, 90, 100)):
+    return "/".join(f"{v:.1f}" for v in np.percentile(x, qs))
+
+
+def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) -> None:
+    cache = pagedattn.build_paged_cache(
+        [context] * batch,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        device="cuda",
+        generator=gen,
+    )
+    q = torch.randn(batch * query_len, HEADS, HEAD_DIM, generator=gen, device="cuda")
+    q = q.to(torch.bfloat16)
+    plan = pagedattn.plan_decode(
+        cache.seq_lens,
+        num_q_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        query_len=query_len,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+    )
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    step_us = time_graph([lambda: pagedattn.paged_decode(*args, **kw)] * 8).us_p50
+    trace = torch.zeros(plan.num_programs, TRACE_SLOTS, dtype=torch.int64, device="cuda")
+    for _ in range(3):  # compile, then warm; the last run's stamps are kept
+        pagedattn.paged_decode(*args, **kw, _trace=trace)
+    torch.cuda.synchronize()
+    t = trace.cpu().numpy().astype(np.float64) / 1e3  # µs
+    t0 = t[:, 0].min()
+    start, end = t[:, 0] - t0, t[:, 1] - t0
+    indptr = plan.work_indptr.cpu().numpy()
+    works = plan.works.cpu().numpy()
+    n_works = np.diff(indptr)
+    setup, loop, epi, rate = [], [], [], []
+    for p in range(plan.num_programs):
+        for i in range(min(n_works[p], TRACE_WORKS)):
+            w0, w1, w2 = t[p, 2 + 3 * i : 5 + 3 * i]
+            nxt = t[p, 2 + 3 * (i + 1)] if i + 1 < min(n_works[p], TRACE_WORKS) else t[p, 1]
+            setup.append(w1 - w0)
+            loop.append(w2 - w1)
+            epi.append(nxt - w2)
+            rec = works[indptr[p] + i]
+            nbytes = int(rec[6] - rec[5]) * HEAD_DIM * 2  # FP8 K + V of the work's tokens
+            rate.append(nbytes / max(w2 - w1, 1e-3) / 1e3)  # GB/s
+    kv = batch * context * HEAD_DIM * 2
+    span = end.max()
+    print(
+        f"{batch}x{context} q{query_len}: {plan.num_programs} programs, works/program "
+        f"{pct(n_works, (0, 50, 100))}; step {step_us:.1f} µs ({kv / step_us / 1e3:.0f} GB/s); "
+        f"decode span {span:.1f} µs ({kv / span / 1e3:.0f} GB/s)\n"
+        f"  start     min/p50/p90/max {pct(start)}\n"
+        f"  end       min/p50/p90/max {pct(end)}\n"
+        f"  duration  min/p50/p90/max {pct(end - start)}\n"
+        f"  set-up    min/p50/p90/max {pct(setup)}\n"
+        f"  loop      min/p50/p90/max {pct(loop)}  per-program GB/s p50 {np.median(rate):.1f}\n"
+        f"  epilogue  min/p50/p90/max {pct(epi)}\n"
+        f"  clock step (smallest stamp difference) {np.diff(np.unique(t[:, :2])).min():.3f} µs",
+        flush=True,
+    )
+
+
+def main() -> None:
+    shapes = sys.argv[1] if len(sys.argv) > 1 else "64x8192x1,16x32768x1,128x8192x1,128x32768x1"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape in shapes.split(","):
+        trace_shape(*(int(x) for x in shape.split("x")), gen)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
