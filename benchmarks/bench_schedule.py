@@ -10,11 +10,13 @@ eager plan_decode call (argument checks + allocation + launch), synchronising be
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
 
 import pagedattn
+import pagedattn.api
 from benchmarks.providers import host_time_us
 
 
@@ -42,36 +44,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,64,256,1024,8192")
     parser.add_argument("--multipliers", default="1,4")
+    parser.add_argument(
+        "--windows",
+        default="",
+        help="sequences per step of the works writer to compare (default: the library's)",
+    )
     args = parser.parse_args()
+    windows = [int(x) for x in args.windows.split(",")] if args.windows else [None]
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     gen = torch.Generator(device=device).manual_seed(0)
-    print("| batch | programs | GPU µs (graph replay) | host µs (plan_decode) | host µs (reuse=) |")
-    print("|---|---|---|---|---|")
-    for batch in (int(b) for b in args.batches.split(",")):
-        for mult in (int(m) for m in args.multipliers.split(",")):
-            lens = torch.randint(1, 32768, (batch,), generator=gen, device=device)
-            seq_lens = lens.to(torch.int32)
-            kw = dict(
-                num_q_heads=16,
-                num_kv_heads=1,
-                head_dim=128,
-                page_size=1024,
-                kv_dtype=torch.float8_e4m3fn,
-                kv_scale="per_tensor",
-                num_programs=sms * mult,
-            )
-            plan = pagedattn.plan_decode(seq_lens, **kw)
+    print(
+        "| batch | programs | window | GPU µs (graph replay) | host µs (plan_decode) "
+        "| host µs (reuse=) |"
+    )
+    print("|---|---|---|---|---|---|")
+    default_window = pagedattn.api._SCHEDULE_WINDOW
+    for batch, mult, window in itertools.product(
+        [int(b) for b in args.batches.split(",")],
+        [int(m) for m in args.multipliers.split(",")],
+        windows,
+    ):
+        pagedattn.api._SCHEDULE_WINDOW = window or default_window
+        lens = torch.randint(1, 32768, (batch,), generator=gen, device=device)
+        seq_lens = lens.to(torch.int32)
+        kw = dict(
+            num_q_heads=16,
+            num_kv_heads=1,
+            head_dim=128,
+            page_size=1024,
+            kv_dtype=torch.float8_e4m3fn,
+            kv_scale="per_tensor",
+            num_programs=sms * mult,
+        )
+        plan = pagedattn.plan_decode(seq_lens, **kw)
 
-            def fresh(seq_lens=seq_lens, kw=kw):
-                return pagedattn.plan_decode(seq_lens, **kw)
+        def fresh(seq_lens=seq_lens, kw=kw):
+            return pagedattn.plan_decode(seq_lens, **kw)
 
-            def refill(seq_lens=seq_lens, kw=kw, plan=plan):
-                return pagedattn.plan_decode(seq_lens, **kw, reuse=plan)
+        def refill(seq_lens=seq_lens, kw=kw, plan=plan):
+            return pagedattn.plan_decode(seq_lens, **kw, reuse=plan)
 
-            g = gpu_us(refill)
-            h, r = host_time_us(fresh, samples=200), host_time_us(refill, samples=200)
-            print(f"| {batch} | {sms * mult} | {g:.2f} | {h:.1f} | {r:.1f} |")
+        g = gpu_us(refill)
+        h, r = host_time_us(fresh, samples=200), host_time_us(refill, samples=200)
+        print(
+            f"| {batch} | {sms * mult} | {pagedattn.api._SCHEDULE_WINDOW} | {g:.2f} "
+            f"| {h:.1f} | {r:.1f} |"
+        )
+    pagedattn.api._SCHEDULE_WINDOW = default_window
 
 
 if __name__ == "__main__":

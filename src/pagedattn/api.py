@@ -34,6 +34,9 @@ LOG2E = 1.4426950408889634
 _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE_TOKEN}
 # Sequences the scheduler holds at once; a larger batch is scanned in chunks of this size.
 _SCHEDULE_BLOCK = 2048
+# Sequences per step when a scheduler program writes its works (it touches a few
+# consecutive sequences, about batch / programs + 2).
+_SCHEDULE_WINDOW = 32
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -139,42 +142,46 @@ def plan_decode(
             max_seq_len=max_seq_len,
             programs_per_head=num_programs // num_kv_heads,
         )
-    sizes = dict(
-        batch=batch,
-        query_len=query_len,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-        num_programs=num_programs,
-        partition_size=partition_size,
+    key = (
+        batch,
+        query_len,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        kv_dtype,
+        kv_scale,
+        num_programs,
+        partition_size,
+        device,
     )
     if reuse is not None:
         if not isinstance(reuse, DecodePlan):
             raise TypeError(f"reuse: expected a DecodePlan, got {type(reuse).__name__}")
-        expected = {**sizes, "device": device}
-        got = {k: getattr(reuse, k) for k in expected}
-        diff = {k: (v, got[k]) for k, v in expected.items() if got[k] != v}
-        if diff:
-            want = ", ".join(f"{k}={v[0]!r}" for k, v in diff.items())
-            have = ", ".join(f"{k}={v[1]!r}" for k, v in diff.items())
+        if reuse.sizes_key != key:
+            diff = [
+                (name, want, got)
+                for name, want, got in zip(DecodePlan.SIZE_FIELDS, key, reuse.sizes_key)
+                if want != got
+            ]
+            want = ", ".join(f"{name}={w!r}" for name, w, _ in diff)
+            have = ", ".join(f"{name}={g!r}" for name, _, g in diff)
             raise ValueError(f"reuse: expected a plan made for {want}, got one with {have}")
         plan = reuse
     else:
-        plan = allocate_plan(device=device, **sizes)
+        plan = allocate_plan(**dict(zip(DecodePlan.SIZE_FIELDS, key)))
     block_b = min(_SCHEDULE_BLOCK, next_power_of_2(max(batch, 16)))
     _launch_schedule(
         (num_programs,),
-        (seq_lens, plan.work_indptr, plan.works, plan.reduces, batch, plan.reduces.shape[0]),
-        (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION, BLOCK_B, SINGLE_BLOCK
+        (seq_lens, plan.metadata, batch, plan.max_works, plan.max_reduces),
+        (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION, BLOCK_B, SINGLE_BLOCK, WINDOW
             num_programs // num_kv_heads,
             num_programs,
             num_q_heads // num_kv_heads,
             partition_size,
             block_b,
             batch <= block_b,
+            _SCHEDULE_WINDOW,
         ),
         num_warps=4 if block_b <= 1024 else 8,
     )
@@ -392,15 +399,15 @@ def paged_decode(
         block_table,
         *block_table.stride(),
         seq_lens,
-        plan.work_indptr,
-        plan.works,
+        plan.metadata,
+        plan.works_offset,
         out,
         out.stride(0),
         out.stride(1),
         lse_arg,
         lse_stride,
-        plan.partial_out,
-        plan.partial_lse,
+        plan.partials,
+        plan.lse_offset,
         sm_scale * LOG2E,
         sliding_window or 0,
         _trace,
@@ -426,21 +433,22 @@ def paged_decode(
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
-    if plan.reduces.shape[0] > 0:
+    if plan.max_reduces > 0:
         red = config.reduce or reduce_launch_config(
             rows=rows,
             head_dim=shape.head_dim,
-            records=plan.reduces.shape[0],
+            records=plan.max_reduces,
             sm_count=sm_count(q.device),
         )
         red.check(shape.head_dim)
         row_blocks = -(-rows // red.block_r)
         _launch_reduce(
-            (plan.reduces.shape[0], row_blocks, shape.head_dim // red.block_d),
+            (plan.max_reduces, row_blocks, shape.head_dim // red.block_d),
             (
-                plan.reduces,
-                plan.partial_out,
-                plan.partial_lse,
+                plan.metadata,
+                plan.reduces_offset,
+                plan.partials,
+                plan.lse_offset,
                 out,
                 out.stride(0),
                 out.stride(1),

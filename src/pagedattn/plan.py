@@ -28,6 +28,7 @@ no key in its range, which causal masking or a sliding window can cause).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -64,8 +65,12 @@ def plan_sizes(batch: int, num_programs: int, num_kv_heads: int) -> tuple[int, i
 class DecodePlan:
     """Work list, reduce maps and partial buffers for one decode step (device tensors).
 
-    Made by :func:`pagedattn.plan_decode`; reuse it for every layer of the step. The fields
-    after ``metadata`` are views of it (see the module docstring for the record layouts).
+    Made by :func:`pagedattn.plan_decode`; reuse it for every layer of the step. Two buffers
+    hold everything: ``metadata`` (int32: ``work_indptr``, ``works``, ``reduces``, in that
+    order) and ``partials`` (float32: ``partial_out``, then ``partial_lse``). The named
+    fields below are views of them, made on first use (the kernels take the two buffers and
+    offsets, so a fresh plan costs two allocations and no views; see the module docstring for
+    the record layouts).
     """
 
     batch: int
@@ -79,19 +84,85 @@ class DecodePlan:
     num_programs: int
     partition_size: int
     metadata: torch.Tensor  # int32, all records below
-    work_indptr: torch.Tensor  # [num_programs + 1]
-    works: torch.Tensor  # [max_works, 8]
-    reduces: torch.Tensor  # [max_reduces, 4]
-    partial_out: torch.Tensor  # float32 [max_partials, query_len * group, head_dim]
-    partial_lse: torch.Tensor  # float32 [max_partials, query_len * group]
+    partials: torch.Tensor  # float32, partial outputs then partial LSEs
+    max_works: int
+    max_partials: int
+    max_reduces: int
+
+    # What a plan is made for (plan_decode's reuse= compares them in this order).
+    SIZE_FIELDS = (
+        "batch",
+        "query_len",
+        "num_q_heads",
+        "num_kv_heads",
+        "head_dim",
+        "page_size",
+        "kv_dtype",
+        "kv_scale",
+        "num_programs",
+        "partition_size",
+        "device",
+    )
+
+    @functools.cached_property
+    def sizes_key(self) -> tuple:
+        """The values of ``SIZE_FIELDS``."""
+        return tuple(getattr(self, name) for name in self.SIZE_FIELDS)
 
     @property
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
     @property
+    def rows(self) -> int:
+        """Query rows per kv head (``query_len * group``): the rows of one partial."""
+        return self.query_len * self.group
+
+    @property
     def device(self) -> torch.device:
         return self.metadata.device
+
+    @property
+    def works_offset(self) -> int:
+        """Element offset of ``works`` in ``metadata``."""
+        return self.num_programs + 1
+
+    @property
+    def reduces_offset(self) -> int:
+        """Element offset of ``reduces`` in ``metadata``."""
+        return self.works_offset + self.max_works * WORK_FIELDS
+
+    @property
+    def lse_offset(self) -> int:
+        """Element offset of ``partial_lse`` in ``partials``."""
+        return self.max_partials * self.rows * self.head_dim
+
+    @functools.cached_property
+    def work_indptr(self) -> torch.Tensor:  # [num_programs + 1]
+        return self.metadata.as_strided((self.num_programs + 1,), (1,), 0)
+
+    @functools.cached_property
+    def works(self) -> torch.Tensor:  # [max_works, 8]
+        return self.metadata.as_strided(
+            (self.max_works, WORK_FIELDS), (WORK_FIELDS, 1), self.works_offset
+        )
+
+    @functools.cached_property
+    def reduces(self) -> torch.Tensor:  # [max_reduces, 4]
+        return self.metadata.as_strided(
+            (self.max_reduces, REDUCE_FIELDS), (REDUCE_FIELDS, 1), self.reduces_offset
+        )
+
+    @functools.cached_property
+    def partial_out(self) -> torch.Tensor:  # float32 [max_partials, query_len * group, head_dim]
+        rows, d = self.rows, self.head_dim
+        return self.partials.as_strided((self.max_partials, rows, d), (rows * d, d, 1), 0)
+
+    @functools.cached_property
+    def partial_lse(self) -> torch.Tensor:  # float32 [max_partials, query_len * group]
+        return self.partials.as_strided(
+            (self.max_partials, self.rows), (self.rows, 1), self.lse_offset
+        )
 
     def work_items(self) -> list[WorkItem]:
         """The work list as host-side named tuples (copies to the host: for tests and debugging)."""
@@ -122,26 +193,13 @@ def allocate_plan(
     partition_size: int,
     device: torch.device,
 ) -> DecodePlan:
-    """Allocates a plan's buffers (contents undefined until the scheduler fills them)."""
+    """Allocates a plan's buffers (contents undefined until the scheduler fills them): two
+    allocations, no views (each torch call costs host time, and a serving loop may make a
+    plan every step)."""
     max_works, max_partials, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
-    n_indptr = num_programs + 1
-    n_works = max_works * WORK_FIELDS
-    n_reduces = max_reduces * REDUCE_FIELDS
-    # Two allocations and one as_strided per view: each torch call costs host time, and a
-    # serving loop may make a plan every step.
-    metadata = torch.empty(n_indptr + n_works + n_reduces, dtype=torch.int32, device=device)
-    work_indptr = metadata.as_strided((n_indptr,), (1,), 0)
-    works = metadata.as_strided((max_works, WORK_FIELDS), (WORK_FIELDS, 1), n_indptr)
-    reduces = metadata.as_strided(
-        (max_reduces, REDUCE_FIELDS), (REDUCE_FIELDS, 1), n_indptr + n_works
-    )
+    n_meta = num_programs + 1 + max_works * WORK_FIELDS + max_reduces * REDUCE_FIELDS
     rows = query_len * (num_q_heads // num_kv_heads)
-    n_out = max_partials * rows * head_dim
-    partials = torch.empty(n_out + max_partials * rows, dtype=torch.float32, device=device)
-    partial_out = partials.as_strided(
-        (max_partials, rows, head_dim), (rows * head_dim, head_dim, 1), 0
-    )
-    partial_lse = partials.as_strided((max_partials, rows), (rows, 1), n_out)
+    n_partials = max_partials * rows * (head_dim + 1)
     return DecodePlan(
         batch=batch,
         query_len=query_len,
@@ -153,12 +211,11 @@ def allocate_plan(
         kv_scale=kv_scale,
         num_programs=num_programs,
         partition_size=partition_size,
-        metadata=metadata,
-        work_indptr=work_indptr,
-        works=works,
-        reduces=reduces,
-        partial_out=partial_out,
-        partial_lse=partial_lse,
+        metadata=torch.empty(n_meta, dtype=torch.int32, device=device),
+        partials=torch.empty(n_partials, dtype=torch.float32, device=device),
+        max_works=max_works,
+        max_partials=max_partials,
+        max_reduces=max_reduces,
     )
 
 

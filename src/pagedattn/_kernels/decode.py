@@ -508,15 +508,15 @@ def _decode_kernel(
     stride_bt,
     stride_bt_col,
     seq_lens_ptr,  # [batch] int32
-    work_indptr_ptr,  # [num_programs + 1] int32
-    works_ptr,  # [max_works, 8] int32
+    work_indptr_ptr,  # plan.metadata: work_indptr [num_programs + 1] int32, then ...
+    works_offset,  # ... works [max_works, 8] int32 from this element on
     out_ptr,  # [batch * query_len, num_q_heads, head_dim]
     stride_o_tok,
     stride_o_head,
     lse_ptr,  # [batch * query_len, num_q_heads] float32 (natural log); used if WRITE_LSE
     stride_lse_tok,
-    partial_out_ptr,  # [max_partials, ROWS, HEAD_DIM] float32, contiguous
-    partial_lse_ptr,  # [max_partials, ROWS] float32 (log2 units)
+    partial_out_ptr,  # plan.partials: [max_partials, ROWS, HEAD_DIM] float32, then ...
+    lse_offset,  # ... the partial LSEs [max_partials, ROWS] (log2 units) from this element on
     qk_scale,  # sm_scale * log2(e)
     window,  # sliding window in tokens (used if HAS_WINDOW)
     trace_ptr,  # int64 [num_programs, TRACE_SLOTS] %globaltimer stamps (profiling; if TRACE)
@@ -539,6 +539,8 @@ def _decode_kernel(
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     DC: tl.constexpr = HEAD_DIM // CHUNKS
+    works_ptr = work_indptr_ptr + works_offset
+    partial_lse_ptr = partial_out_ptr + lse_offset
     pid = tl.program_id(0)
     if TRACE:
         # [0] program start, [1] program end, [2 + 3i + (0, 1, 2)]: work i's start, its first

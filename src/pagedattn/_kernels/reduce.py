@@ -19,9 +19,10 @@ from .common import LN2
 
 @triton.jit
 def _reduce_kernel(
-    reduces_ptr,  # [max_reduces, 4] int32: seq, kv_head, first_slot, num_slots
-    partial_out_ptr,  # [max_partials, ROWS, HEAD_DIM] float32
-    partial_lse_ptr,  # [max_partials, ROWS] float32, log2 units
+    metadata_ptr,  # plan.metadata; from reduces_offset on: reduces [max_reduces, 4] int32
+    reduces_offset,  # (seq, kv_head, first_slot, num_slots)
+    partial_out_ptr,  # plan.partials: [max_partials, ROWS, HEAD_DIM] float32, then ...
+    lse_offset,  # ... the partial LSEs [max_partials, ROWS] (log2 units) from this element on
     out_ptr,  # [batch * query_len, num_q_heads, head_dim]
     stride_o_tok,
     stride_o_head,
@@ -37,7 +38,8 @@ def _reduce_kernel(
     WRITE_LSE: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
-    rec = reduces_ptr + tl.program_id(0).to(tl.int64) * 4
+    partial_lse_ptr = partial_out_ptr + lse_offset
+    rec = metadata_ptr + reduces_offset + tl.program_id(0).to(tl.int64) * 4
     seq = tl.load(rec)
     if seq >= 0:
         kv_head = tl.load(rec + 1)

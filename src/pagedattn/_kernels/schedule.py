@@ -2,7 +2,9 @@
 
 One launch, ``num_programs`` programs, no host sync. Every program recomputes the same
 prefix sums over the batch (``tl.cumsum`` in chunks of ``BLOCK_B``) and then writes only
-its own works, so programs never wait for each other and the result is deterministic.
+its own works, so programs never wait for each other and the result is deterministic. The
+sequences a program touches are consecutive (``first_seq .. last_seq``), so it writes them
+from a small window of ``WINDOW`` sequences that it reloads, not from the whole batch.
 
 Model (per KV head; every head has the same structure, shifted):
   ``parts[b] = cdiv(seq_lens[b], PARTITION)``; the ``total`` partitions of the batch are laid
@@ -81,6 +83,19 @@ def _prefix(parts, first, last, local):
 
 
 @triton.jit
+def _window(parts, cum_incl, cum_excl, p_start, p_end):
+    """Per chunk: how many sequences end at or before partition ``p_start`` (the program's
+    first sequence is that count, summed over chunks), how many begin before ``p_end`` (one
+    past its last; ``cum_excl`` only grows, so both counts are prefixes of the batch), and
+    the partitions of the former (where the first one begins). Empty sequences in between
+    are skipped by the writer's ``parts > 0``."""
+    done = cum_incl <= p_start
+    first_seq = tl.sum(done.to(tl.int32), axis=0)
+    end_seq = tl.sum((cum_excl < p_end).to(tl.int32), axis=0)
+    return first_seq, end_seq, tl.sum(tl.where(done, parts, 0), axis=0)
+
+
+@triton.jit
 def _write_works(
     works_ptr,
     reduces_ptr,
@@ -138,10 +153,9 @@ def _write_works(
 @triton.jit
 def _schedule_kernel(
     seq_lens_ptr,  # [batch] int32
-    work_indptr_ptr,  # [num_programs + 1] int32
-    works_ptr,  # [max_works, 8] int32
-    reduces_ptr,  # [max_reduces, 4] int32
+    metadata_ptr,  # int32: work_indptr [num_programs + 1], works [max_works, 8], reduces
     batch,
+    max_works,
     max_reduces,
     PROGRAMS_PER_HEAD: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
@@ -149,7 +163,11 @@ def _schedule_kernel(
     PARTITION: tl.constexpr,
     BLOCK_B: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,  # batch <= BLOCK_B: one load, one pass, all in registers
+    WINDOW: tl.constexpr,  # sequences per step when writing this program's works
 ):
+    work_indptr_ptr = metadata_ptr
+    works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
+    reduces_ptr = works_ptr + max_works * 8
     pid = tl.program_id(0)
     kv_head = pid // PROGRAMS_PER_HEAD
     local = pid % PROGRAMS_PER_HEAD
@@ -165,6 +183,9 @@ def _schedule_kernel(
         works_before, partials_before, cut_before, total_works, total_partials, total_cut = _prefix(
             parts, first, last, local
         )
+        p_start = local * base + tl.minimum(local, rem)
+        p_end = p_start + base + (local < rem).to(tl.int32)
+        first_seq, end_seq, parts_before = _window(parts, cum_incl, cum_excl, p_start, p_end)
     else:
         # -- pass 1: total partitions of one head --
         total = zero
@@ -173,7 +194,12 @@ def _schedule_kernel(
             total += tl.sum(tl.cdiv(lens, PARTITION), axis=0)
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
+        p_start = local * base + tl.minimum(local, rem)
+        p_end = p_start + base + (local < rem).to(tl.int32)
         # -- pass 2: what lies before this program, and per-head totals --
+        first_seq = zero
+        end_seq = zero
+        parts_before = zero
         works_before = zero
         partials_before = zero
         cut_before = zero
@@ -186,6 +212,10 @@ def _schedule_kernel(
             parts, cum_incl, cum_excl, first, last = _layout(lens, carry, base, rem, PARTITION)
             carry += tl.sum(parts, axis=0)
             wb, pb, cb, tw, tp, tc = _prefix(parts, first, last, local)
+            fs, es, pbf = _window(parts, cum_incl, cum_excl, p_start, p_end)
+            first_seq += fs
+            end_seq += es
+            parts_before += pbf
             works_before += wb
             partials_before += pb
             cut_before += cb
@@ -193,8 +223,6 @@ def _schedule_kernel(
             total_partials += tp
             total_cut += tc
 
-    p_start = local * base + tl.minimum(local, rem)
-    p_end = p_start + base + (local < rem).to(tl.int32)
     work_base = kv_head * total_works + works_before
     slot_base = kv_head * total_partials + partials_before
     reduce_index = kv_head * total_cut + cut_before
@@ -202,18 +230,28 @@ def _schedule_kernel(
     if pid == NUM_PROGRAMS - 1:
         tl.store(work_indptr_ptr + NUM_PROGRAMS, (kv_head + 1) * total_works)
 
-    # -- write this program's works --
-    if SINGLE_BLOCK:
-        _write_works(
+    # -- write this program's works: sequences first_seq .. end_seq - 1, a window at a time --
+    offs_w = tl.arange(0, WINDOW)
+    mine_carry = zero
+    cut_carry = zero
+    carry = parts_before
+    for w0 in range(first_seq, end_seq, WINDOW):
+        seq = w0 + offs_w
+        lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
+        parts_w, cum_incl_w, cum_excl_w, first_w, last_w = _layout(
+            lens_w, carry, base, rem, PARTITION
+        )
+        carry += tl.sum(parts_w, axis=0)
+        mine_carry, cut_carry = _write_works(
             works_ptr,
             reduces_ptr,
-            offs,
-            lens,
-            parts,
-            cum_incl,
-            cum_excl,
-            first,
-            last,
+            seq,
+            lens_w,
+            parts_w,
+            cum_incl_w,
+            cum_excl_w,
+            first_w,
+            last_w,
             pid,
             kv_head,
             local,
@@ -222,43 +260,11 @@ def _schedule_kernel(
             work_base,
             slot_base,
             reduce_index,
-            zero,
-            zero,
+            mine_carry,
+            cut_carry,
             GROUP,
             PARTITION,
         )
-    else:
-        mine_carry = zero
-        cut_carry = zero
-        carry = zero
-        for b0 in range(0, batch, BLOCK_B):
-            seq = b0 + offs
-            lens = tl.load(seq_lens_ptr + seq, mask=seq < batch, other=0)
-            parts, cum_incl, cum_excl, first, last = _layout(lens, carry, base, rem, PARTITION)
-            carry += tl.sum(parts, axis=0)
-            mine_carry, cut_carry = _write_works(
-                works_ptr,
-                reduces_ptr,
-                seq,
-                lens,
-                parts,
-                cum_incl,
-                cum_excl,
-                first,
-                last,
-                pid,
-                kv_head,
-                local,
-                p_start,
-                p_end,
-                work_base,
-                slot_base,
-                reduce_index,
-                mine_carry,
-                cut_carry,
-                GROUP,
-                PARTITION,
-            )
 
     # -- clear the reduce records no sequence uses, so the reducer skips them --
     used = (NUM_PROGRAMS // PROGRAMS_PER_HEAD) * total_cut
