@@ -49,23 +49,27 @@ def main() -> None:
         default="",
         help="sequences per step of the works writer to compare (default: the library's)",
     )
+    parser.add_argument("--warps", default="", help="scheduler warps to compare")
     args = parser.parse_args()
     windows = [int(x) for x in args.windows.split(",")] if args.windows else [None]
+    warps_list = [int(x) for x in args.warps.split(",")] if args.warps else [None]
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     gen = torch.Generator(device=device).manual_seed(0)
     print(
-        "| batch | programs | window | GPU µs (graph replay) | host µs (plan_decode) "
+        "| batch | programs | window | warps | GPU µs (graph replay) | host µs (plan_decode) "
         "| host µs (reuse=) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     default_window = pagedattn.api._SCHEDULE_WINDOW
-    for batch, mult, window in itertools.product(
+    for batch, mult, window, warps in itertools.product(
         [int(b) for b in args.batches.split(",")],
         [int(m) for m in args.multipliers.split(",")],
         windows,
+        warps_list,
     ):
         pagedattn.api._SCHEDULE_WINDOW = window or default_window
+        pagedattn.api._SCHEDULE_WARPS = warps
         lens = torch.randint(1, 32768, (batch,), generator=gen, device=device)
         seq_lens = lens.to(torch.int32)
         kw = dict(
@@ -87,11 +91,15 @@ def main() -> None:
 
         g = gpu_us(refill)
         h, r = host_time_us(fresh, samples=200), host_time_us(refill, samples=200)
+        whole = batch <= pagedattn.api._SCHEDULE_WHOLE
+        shown_window = "whole" if whole else pagedattn.api._SCHEDULE_WINDOW
         print(
-            f"| {batch} | {sms * mult} | {pagedattn.api._SCHEDULE_WINDOW} | {g:.2f} "
+            f"| {batch} | {sms * mult} | {shown_window} | {warps or 'auto'} "
+            f"| {g:.2f} "
             f"| {h:.1f} | {r:.1f} |"
         )
     pagedattn.api._SCHEDULE_WINDOW = default_window
+    pagedattn.api._SCHEDULE_WARPS = None
 
 
 if __name__ == "__main__":

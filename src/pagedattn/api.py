@@ -35,8 +35,11 @@ _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE
 # Sequences the scheduler holds at once; a larger batch is scanned in chunks of this size.
 _SCHEDULE_BLOCK = 2048
 # Sequences per step when a scheduler program writes its works (it touches a few
-# consecutive sequences, about batch / programs + 2).
+# consecutive sequences, about batch / programs + 2). Batches up to _SCHEDULE_WHOLE are
+# written straight from the registers that hold them (one global round trip fewer).
 _SCHEDULE_WINDOW = 32
+_SCHEDULE_WHOLE = 256
+_SCHEDULE_WARPS = None  # None: 4 warps up to 1024 sequences per block, else 8 (benchmarks)
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -181,9 +184,9 @@ def plan_decode(
             partition_size,
             block_b,
             batch <= block_b,
-            _SCHEDULE_WINDOW,
+            0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW,
         ),
-        num_warps=4 if block_b <= 1024 else 8,
+        num_warps=_SCHEDULE_WARPS or (4 if block_b <= 1024 else 8),
     )
     return plan
 

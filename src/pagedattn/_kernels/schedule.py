@@ -3,8 +3,9 @@
 One launch, ``num_programs`` programs, no host sync. Every program recomputes the same
 prefix sums over the batch (``tl.cumsum`` in chunks of ``BLOCK_B``) and then writes only
 its own works, so programs never wait for each other and the result is deterministic. The
-sequences a program touches are consecutive (``first_seq .. last_seq``), so it writes them
-from a small window of ``WINDOW`` sequences that it reloads, not from the whole batch.
+sequences a program touches are consecutive (``first_seq .. last_seq``), so with a large
+batch it writes them from a window of ``WINDOW`` sequences that it reloads, not from the
+whole batch (``WINDOW == 0``: straight from the registers, for a small single-block batch).
 
 Model (per KV head; every head has the same structure, shifted):
   ``parts[b] = cdiv(seq_lens[b], PARTITION)``; the ``total`` partitions of the batch are laid
@@ -163,7 +164,7 @@ def _schedule_kernel(
     PARTITION: tl.constexpr,
     BLOCK_B: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,  # batch <= BLOCK_B: one load, one pass, all in registers
-    WINDOW: tl.constexpr,  # sequences per step when writing this program's works
+    WINDOW: tl.constexpr,  # sequences per step when writing this program's works (0: all)
 ):
     work_indptr_ptr = metadata_ptr
     works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
@@ -231,27 +232,18 @@ def _schedule_kernel(
         tl.store(work_indptr_ptr + NUM_PROGRAMS, (kv_head + 1) * total_works)
 
     # -- write this program's works: sequences first_seq .. end_seq - 1, a window at a time --
-    offs_w = tl.arange(0, WINDOW)
-    mine_carry = zero
-    cut_carry = zero
-    carry = parts_before
-    for w0 in range(first_seq, end_seq, WINDOW):
-        seq = w0 + offs_w
-        lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
-        parts_w, cum_incl_w, cum_excl_w, first_w, last_w = _layout(
-            lens_w, carry, base, rem, PARTITION
-        )
-        carry += tl.sum(parts_w, axis=0)
-        mine_carry, cut_carry = _write_works(
+    if WINDOW == 0:
+        tl.static_assert(SINGLE_BLOCK, "WINDOW == 0 writes from the single block's registers")
+        _write_works(
             works_ptr,
             reduces_ptr,
-            seq,
-            lens_w,
-            parts_w,
-            cum_incl_w,
-            cum_excl_w,
-            first_w,
-            last_w,
+            offs,
+            lens,
+            parts,
+            cum_incl,
+            cum_excl,
+            first,
+            last,
             pid,
             kv_head,
             local,
@@ -260,11 +252,46 @@ def _schedule_kernel(
             work_base,
             slot_base,
             reduce_index,
-            mine_carry,
-            cut_carry,
+            zero,
+            zero,
             GROUP,
             PARTITION,
         )
+    else:
+        offs_w = tl.arange(0, WINDOW)
+        mine_carry = zero
+        cut_carry = zero
+        carry = parts_before
+        for w0 in range(first_seq, end_seq, WINDOW):
+            seq = w0 + offs_w
+            lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
+            parts_w, cum_incl_w, cum_excl_w, first_w, last_w = _layout(
+                lens_w, carry, base, rem, PARTITION
+            )
+            carry += tl.sum(parts_w, axis=0)
+            mine_carry, cut_carry = _write_works(
+                works_ptr,
+                reduces_ptr,
+                seq,
+                lens_w,
+                parts_w,
+                cum_incl_w,
+                cum_excl_w,
+                first_w,
+                last_w,
+                pid,
+                kv_head,
+                local,
+                p_start,
+                p_end,
+                work_base,
+                slot_base,
+                reduce_index,
+                mine_carry,
+                cut_carry,
+                GROUP,
+                PARTITION,
+            )
 
     # -- clear the reduce records no sequence uses, so the reducer skips them --
     used = (NUM_PROGRAMS // PROGRAMS_PER_HEAD) * total_cut
