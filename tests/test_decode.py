@@ -338,6 +338,8 @@ def test_cuda_graph_replay_with_new_lengths(gen):
     out = torch.empty_like(q)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
 
+    plans = []
+
     def step():
         plan = pagedattn.plan_decode(
             seq_lens,
@@ -349,6 +351,7 @@ def test_cuda_graph_replay_with_new_lengths(gen):
             kv_dtype=FP8,
             kv_scale="per_token",
         )
+        plans.append(plan)
         pagedattn.paged_decode(
             q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, plan=plan, out=out, **kw
         )
@@ -358,16 +361,22 @@ def test_cuda_graph_replay_with_new_lengths(gen):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for trial in range(3):
+    assert plans[-1].partition_size is None  # chosen on the GPU at each replay
+    chosen = []
+    for trial in range(4):
         new = torch.randint(query_len, max_len + 1, (batch,), generator=gen, device=DEVICE)
         if trial == 1:
             new[0] = max_len  # one long among short ones
             new[1:] = torch.randint(query_len, 40, (batch - 1,), generator=gen, device=DEVICE)
+        if trial == 3:
+            new = torch.randint(query_len, 3000, (batch,), generator=gen, device=DEVICE)
         seq_lens.copy_(new.to(torch.int32))
         out.fill_(float("nan"))
         graph.replay()
         ref = paged_decode_torch(q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, **kw)
         assert rel_err(out, ref) < tolerance(FP8, torch.bfloat16), f"replay {trial}"
+        chosen.append(plans[-1].step_partition_size())
+    assert chosen[1] == 256 and chosen[3] == 128, chosen  # 5000 tokens > 32 x 128; all short
 
 
 @requires_gpu

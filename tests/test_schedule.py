@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedattn
-from pagedattn.plan import plan_sizes, schedule_numpy
+from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy
 from pagedattn.tuning.launch import (
     default_grid_multiplier,
     default_num_programs,
@@ -105,6 +105,8 @@ def check_matches_numpy(plan, lens, partition_size):
     np.testing.assert_array_equal(plan.work_indptr.cpu().numpy(), indptr)
     np.testing.assert_array_equal(plan.works[:n].cpu().numpy(), works[:n])
     np.testing.assert_array_equal(plan.reduces.cpu().numpy(), reduces)
+    per_head = plan.num_programs // plan.num_kv_heads
+    assert plan.step_partition_size() == (partition_size or auto_partition_size(lens, per_head))
 
 
 @st.composite
@@ -121,6 +123,8 @@ def batches(draw):
     num_kv_heads = draw(st.sampled_from([1, 2, 3]))
     num_programs = num_kv_heads * draw(st.integers(1, 12))
     group = draw(st.sampled_from([1, 4]))
+    if draw(st.booleans()):
+        partition_size = None  # the scheduler picks it from the lengths
     return lens, partition_size, num_kv_heads, num_programs, group
 
 
@@ -138,7 +142,24 @@ def test_plan_invariants_and_numpy_twin(case):
         partition_size=partition_size,
     )
     check_matches_numpy(plan, lens, partition_size)
-    check_invariants(plan, lens, partition_size)
+    check_invariants(plan, lens, plan.step_partition_size())
+
+
+@pytest.mark.parametrize(
+    "lens, num_programs, expected",
+    [
+        ([1000], 8, 128),  # 4 partitions of 256 for 8 programs, all short: 128
+        ([5000], 64, 256),  # longer than 32 x 128 tokens
+        ([300] * 8, 8, 256),  # 16 partitions of 256 keep 8 programs busy
+        ([4096, 1, 7], 64, 128),
+    ],
+)
+def test_scheduler_picks_the_partition_size(lens, num_programs, expected):
+    plan = make_plan(lens, num_kv_heads=1, group=4, num_programs=num_programs, partition_size=None)
+    assert plan.partition_size is None and plan.min_partition_size == 128
+    assert plan.step_partition_size() == expected == auto_partition_size(lens, num_programs)
+    check_matches_numpy(plan, lens, None)
+    check_invariants(plan, lens, expected)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +210,8 @@ def test_default_program_count_is_a_multiple_of_kv_heads():
         head_dim=64,
         page_size=16,
     )
-    assert default.partition_size == 256
+    # Without a hint the scheduler picks it from the lengths: 1 partition for >= 4 programs.
+    assert default.partition_size is None and default.step_partition_size() == 128
     if ON_GPU:
         sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
         assert default.num_programs == sms * default_grid_multiplier(2) == sms * 4
@@ -293,7 +315,7 @@ def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, mo
         assert explicit.num_programs == 2 and explicit.partition_size == 256  # no lookup
         default = pagedattn.plan_decode(seq_lens, **kw)
         assert default.num_programs == default_num_programs(device, 2, default_grid_multiplier(2))
-        assert default.partition_size == 256
+        assert default.partition_size is None  # no hint, no lookup: picked on the GPU
         check_matches_numpy(tuned, [100, 900, 5], 64)
         # A row naming a partition below the kernel's minimum keeps the default partition.
         tuning.upsert(table, [{**row, "batch_bucket": 64, "partition_size": 8}])

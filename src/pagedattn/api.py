@@ -39,7 +39,9 @@ _SCHEDULE_BLOCK = 2048
 # written straight from the registers that hold them (one global round trip fewer).
 _SCHEDULE_WINDOW = 32
 _SCHEDULE_WHOLE = 256
-_SCHEDULE_WARPS = None  # None: 4 warps up to 1024 sequences per block, else 8 (benchmarks)
+# Warps of a scheduler program (None: by block size; benchmarks set it). One warp for up to
+# 64 sequences needs no cross-warp exchange (batch 64: 2.07 vs 2.67 µs with 4, NOTES step 26).
+_SCHEDULE_WARPS = None
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -83,10 +85,12 @@ def plan_decode(
         to a multiple of ``num_kv_heads``.
     partition_size : int, optional
         Tokens per partition (the unit of load balance), a power of two >= 16. Default: the
-        tuning table's, else 256, or, when ``max_seq_len`` shows that 256-token partitions
-        would leave programs idle (small batches of short sequences), a size in 64..512 that
-        gives about one partition per program
-        (:func:`pagedattn.tuning.launch.default_partition`).
+        tuning table's; else, with ``max_seq_len``, 256 or, when that shows 256-token
+        partitions would leave programs idle (small batches of short sequences), a size in
+        64..512 that gives about one partition per program
+        (:func:`pagedattn.tuning.launch.default_partition`); else the scheduler picks 128 or
+        256 on the GPU each step from the lengths (the plan's ``partition_size`` is then None;
+        :func:`pagedattn.plan.auto_partition_size` states the rule).
     reuse : DecodePlan, optional
         A plan made earlier for the same sizes whose buffers are refilled instead of allocating
         new ones (what a serving loop does every step).
@@ -139,7 +143,7 @@ def plan_decode(
         # A table row may name any power of two; the kernel's tiles need >= MIN_PARTITION.
         if partition_size is None and (tuned_partition or 0) >= checks.MIN_PARTITION:
             partition_size = tuned_partition
-    if partition_size is None:
+    if partition_size is None and max_seq_len is not None:
         partition_size = default_partition(
             batch=batch,
             max_seq_len=max_seq_len,
@@ -181,12 +185,12 @@ def plan_decode(
             num_programs // num_kv_heads,
             num_programs,
             num_q_heads // num_kv_heads,
-            partition_size,
+            partition_size or 0,
             block_b,
             batch <= block_b,
             0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW,
         ),
-        num_warps=_SCHEDULE_WARPS or (4 if block_b <= 1024 else 8),
+        num_warps=_SCHEDULE_WARPS or (1 if block_b <= 64 else 4 if block_b <= 1024 else 8),
     )
     return plan
 
@@ -362,13 +366,13 @@ def paged_decode(
         head_dim=shape.head_dim,
         rows=rows,
         kv_dtype=shape.kv_dtype,
-        partition_size=plan.partition_size,
+        partition_size=plan.min_partition_size,
     )
     # Tiles never straddle a partition (works start on partition boundaries). Bulk copies need
     # the whole tile inside one page (_tma_descriptors says None otherwise); with smaller pages
     # the gather path keeps the full tile (H200, page 16, 128 x 8192: 60% of the read ceiling
     # against 34% for page-sized copies).
-    block_n = min(config.block_n, plan.partition_size)
+    block_n = min(config.block_n, plan.min_partition_size)
     chunks = head_chunks(config, shape.head_dim)
     descriptors = None
     if config.tma and shape.num_pages > 0:

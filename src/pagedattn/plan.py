@@ -20,6 +20,9 @@ Record layouts (int32, all views of one buffer ``plan.metadata``):
     slots ``first_slot : first_slot + num_slots`` in token order; the merged result goes to
     ``out`` rows of ``seq``, heads of ``kv_head``. ``seq == -1`` marks an unused record.
 
+``metadata[-1]``
+    The partition size the scheduler used for this step (see ``partition_size``).
+
 Partial buffers (float32): ``partial_out[max_partials, query_len * group, head_dim]`` and
 ``partial_lse[max_partials, query_len * group]`` (LSE in log2 units; -inf for a row that saw
 no key in its range, which causal masking or a sliding window can cause).
@@ -33,6 +36,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN
 
 WORK_FIELDS = 8
 REDUCE_FIELDS = 4
@@ -82,7 +87,9 @@ class DecodePlan:
     kv_dtype: torch.dtype
     kv_scale: str | None
     num_programs: int
-    partition_size: int
+    # Tokens per partition, or None: the scheduler picks 128 or 256 on the GPU each step from
+    # the lengths (``auto_partition_size``); ``step_partition_size()`` reads what it picked.
+    partition_size: int | None
     metadata: torch.Tensor  # int32, all records below
     partials: torch.Tensor  # float32, partial outputs then partial LSEs
     max_works: int
@@ -131,6 +138,20 @@ class DecodePlan:
     def reduces_offset(self) -> int:
         """Element offset of ``reduces`` in ``metadata``."""
         return self.works_offset + self.max_works * WORK_FIELDS
+
+    @property
+    def partition_offset(self) -> int:
+        """Element of ``metadata`` where the scheduler writes the step's partition size."""
+        return self.reduces_offset + self.max_reduces * REDUCE_FIELDS
+
+    @property
+    def min_partition_size(self) -> int:
+        """The smallest partition size a step of this plan can have (decode tiles fit it)."""
+        return self.partition_size or int(AUTO_SMALL.value)
+
+    def step_partition_size(self) -> int:
+        """The partition size of the last scheduled step (a host read: syncs)."""
+        return int(self.metadata[self.partition_offset])
 
     @property
     def lse_offset(self) -> int:
@@ -190,14 +211,14 @@ def allocate_plan(
     kv_dtype: torch.dtype,
     kv_scale: str | None,
     num_programs: int,
-    partition_size: int,
+    partition_size: int | None,
     device: torch.device,
 ) -> DecodePlan:
     """Allocates a plan's buffers (contents undefined until the scheduler fills them): two
     allocations, no views (each torch call costs host time, and a serving loop may make a
     plan every step)."""
     max_works, max_partials, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
-    n_meta = num_programs + 1 + max_works * WORK_FIELDS + max_reduces * REDUCE_FIELDS
+    n_meta = num_programs + 1 + max_works * WORK_FIELDS + max_reduces * REDUCE_FIELDS + 1
     rows = query_len * (num_q_heads // num_kv_heads)
     n_partials = max_partials * rows * (head_dim + 1)
     return DecodePlan(
@@ -219,8 +240,20 @@ def allocate_plan(
     )
 
 
+def auto_partition_size(seq_lens, programs_per_head: int) -> int:
+    """The partition size the scheduler picks when the plan leaves it open: 128 when
+    256-token partitions would leave programs idle and no sequence exceeds 32 x 128 tokens,
+    else 256."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    total_large = int((-(-lens // AUTO_LARGE.value)).sum())
+    longest = int(lens.max(initial=0))
+    if total_large < programs_per_head and longest <= AUTO_SMALL_MAX_LEN.value:
+        return int(AUTO_SMALL.value)
+    return int(AUTO_LARGE.value)
+
+
 def schedule_numpy(
-    seq_lens, *, num_programs: int, num_kv_heads: int, group: int, partition_size: int
+    seq_lens, *, num_programs: int, num_kv_heads: int, group: int, partition_size: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NumPy twin of the GPU scheduler, written as a plain walk over programs.
 
@@ -231,6 +264,8 @@ def schedule_numpy(
     lens = np.asarray(seq_lens, dtype=np.int64)
     batch = len(lens)
     per_head = num_programs // num_kv_heads
+    if partition_size is None:
+        partition_size = auto_partition_size(lens, per_head)
     max_works, _, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
     parts = -(-lens // partition_size)
     seq_first = np.concatenate([[0], np.cumsum(parts)])  # first partition of each sequence
