@@ -181,11 +181,11 @@ def plan_decode(
     _launch_schedule(
         (num_programs,),
         (seq_lens, plan.metadata, batch, plan.max_works, plan.max_reduces),
-        (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION, BLOCK_B, SINGLE_BLOCK, WINDOW
+        (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION_SHIFT, BLOCK_B, SINGLE_BLOCK, WINDOW
             num_programs // num_kv_heads,
             num_programs,
             num_q_heads // num_kv_heads,
-            partition_size or 0,
+            (partition_size or 1).bit_length() - 1,  # 0: the scheduler picks it
             block_b,
             batch <= block_b,
             0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW,

@@ -8,7 +8,7 @@ batch it writes them from a window of ``WINDOW`` sequences that it reloads, not 
 whole batch (``WINDOW == 0``: straight from the registers, for a small single-block batch).
 
 Model (per KV head; every head has the same structure, shifted):
-  ``parts[b] = cdiv(seq_lens[b], PARTITION)``; the ``total`` partitions of the batch are laid
+  ``parts[b] = cdiv(seq_lens[b], 2**PARTITION_SHIFT)``; the ``total`` partitions of the batch are laid
   end to end and cut into ``PROGRAMS_PER_HEAD`` contiguous ranges whose sizes differ by at
   most one (``start(i) = i * base + min(i, rem)``). A work is the intersection of one
   program's range with one sequence. Sequences and ranges are both contiguous, so ordering
@@ -25,17 +25,26 @@ import triton
 import triton.language as tl
 
 # Partition sizes the scheduler picks between when the planner leaves it the choice
-# (PARTITION == 0): the small one when 256-token partitions would leave programs idle and no
+# (PARTITION_SHIFT == 0): the small one when 256-token partitions would leave programs idle and no
 # sequence would be cut into more than 32 of them; else 256 (NOTES.md, session 4).
 AUTO_SMALL = tl.constexpr(128)
 AUTO_LARGE = tl.constexpr(256)
 AUTO_SMALL_MAX_LEN = tl.constexpr(32 * 128)
+AUTO_SMALL_SHIFT = tl.constexpr(7)  # log2(AUTO_SMALL)
+AUTO_LARGE_SHIFT = tl.constexpr(8)
 
 
 @triton.jit
-def _auto_partition(total_large, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
+def _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
+    """log2 of the partition size picked from the lengths (see AUTO_SMALL)."""
     small = (total_large < PROGRAMS_PER_HEAD) & (max_len <= AUTO_SMALL_MAX_LEN)
-    return tl.where(small, AUTO_SMALL, AUTO_LARGE)
+    return tl.where(small, AUTO_SMALL_SHIFT, AUTO_LARGE_SHIFT)
+
+
+@triton.jit
+def _cdiv_shift(x, shift):
+    # cdiv by a power of two given by its log2 (a runtime value: no integer division).
+    return (x + ((1 << shift) - 1)) >> shift
 
 
 @triton.jit
@@ -71,9 +80,9 @@ def _unpack(x):
 
 
 @triton.jit
-def _layout(lens, carry, base, rem, partition):
+def _layout(lens, carry, base, rem, shift):
     """Partitions of a chunk of sequences, where they sit, and which programs they span."""
-    parts = tl.cdiv(lens, partition)
+    parts = _cdiv_shift(lens, shift)
     cum_incl = carry + tl.cumsum(parts, axis=0)
     cum_excl = cum_incl - parts
     first = _program_of(cum_excl, base, rem)
@@ -131,7 +140,7 @@ def _write_works(
     mine_carry,
     cut_carry,
     GROUP: tl.constexpr,
-    partition,
+    shift,  # log2 of the partition size
 ):
     """Writes this program's works among a chunk of sequences (and the reduce record of a cut
     sequence it starts); returns the running counts of its works and cut works."""
@@ -141,8 +150,8 @@ def _write_works(
     idx = mine_carry + mine_scan - 1
     slot_idx = cut_carry + cut_scan - 1
     slot = tl.where(cut, slot_base + slot_idx, -1)
-    tok_start = (tl.maximum(cum_excl, p_start) - cum_excl) * partition
-    tok_end = tl.minimum((tl.minimum(cum_incl, p_end) - cum_excl) * partition, lens)
+    tok_start = (tl.maximum(cum_excl, p_start) - cum_excl) << shift
+    tok_end = tl.minimum((tl.minimum(cum_incl, p_end) - cum_excl) << shift, lens)
     rec = works_ptr + (work_base + idx).to(tl.int64) * 8
     zero = tl.zeros_like(seq)
     tl.store(rec + 0, zero + pid, mask=mine)
@@ -174,7 +183,7 @@ def _schedule_kernel(
     PROGRAMS_PER_HEAD: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     GROUP: tl.constexpr,
-    PARTITION: tl.constexpr,  # tokens per partition; 0: chosen here from the lengths (AUTO_*)
+    PARTITION_SHIFT: tl.constexpr,  # log2 of tokens per partition; 0: picked here (AUTO_*)
     BLOCK_B: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,  # batch <= BLOCK_B: one load, one pass, all in registers
     WINDOW: tl.constexpr,  # sequences per step when writing this program's works (0: all)
@@ -190,18 +199,18 @@ def _schedule_kernel(
 
     if SINGLE_BLOCK:
         lens = tl.load(seq_lens_ptr + offs, mask=offs < batch, other=0)
-        if PARTITION == 0:
-            partition = _auto_partition(
+        if PARTITION_SHIFT == 0:
+            shift = _auto_shift(
                 tl.sum(tl.cdiv(lens, AUTO_LARGE), axis=0),
                 tl.max(lens, axis=0),
                 PROGRAMS_PER_HEAD,
             )
         else:
-            partition = zero + PARTITION
-        total = tl.sum(tl.cdiv(lens, partition), axis=0)
+            shift = zero + PARTITION_SHIFT
+        total = tl.sum(_cdiv_shift(lens, shift), axis=0)
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
-        parts, cum_incl, cum_excl, first, last = _layout(lens, zero, base, rem, partition)
+        parts, cum_incl, cum_excl, first, last = _layout(lens, zero, base, rem, shift)
         works_before, partials_before, cut_before, total_works, total_partials, total_cut = _prefix(
             parts, first, last, local
         )
@@ -215,17 +224,17 @@ def _schedule_kernel(
         max_len = zero
         for b0 in range(0, batch, BLOCK_B):
             lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
-            if PARTITION == 0:
+            if PARTITION_SHIFT == 0:
                 total += tl.sum(tl.cdiv(lens, AUTO_SMALL), axis=0)
                 total_large += tl.sum(tl.cdiv(lens, AUTO_LARGE), axis=0)
                 max_len = tl.maximum(max_len, tl.max(lens, axis=0))
             else:
-                total += tl.sum(tl.cdiv(lens, PARTITION), axis=0)
-        if PARTITION == 0:
-            partition = _auto_partition(total_large, max_len, PROGRAMS_PER_HEAD)
-            total = tl.where(partition == AUTO_LARGE, total_large, total)
+                total += tl.sum(_cdiv_shift(lens, PARTITION_SHIFT), axis=0)
+        if PARTITION_SHIFT == 0:
+            shift = _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD)
+            total = tl.where(shift == AUTO_LARGE_SHIFT, total_large, total)
         else:
-            partition = zero + PARTITION
+            shift = zero + PARTITION_SHIFT
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
         p_start = local * base + tl.minimum(local, rem)
@@ -243,7 +252,7 @@ def _schedule_kernel(
         carry = zero
         for b0 in range(0, batch, BLOCK_B):
             lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
-            parts, cum_incl, cum_excl, first, last = _layout(lens, carry, base, rem, partition)
+            parts, cum_incl, cum_excl, first, last = _layout(lens, carry, base, rem, shift)
             carry += tl.sum(parts, axis=0)
             wb, pb, cb, tw, tp, tc = _prefix(parts, first, last, local)
             fs, es, pbf = _window(parts, cum_incl, cum_excl, p_start, p_end)
@@ -263,7 +272,7 @@ def _schedule_kernel(
     tl.store(work_indptr_ptr + pid, work_base)
     if pid == NUM_PROGRAMS - 1:
         tl.store(work_indptr_ptr + NUM_PROGRAMS, (kv_head + 1) * total_works)
-        tl.store(reduces_ptr + max_reduces * 4, partition)  # the step's partition size
+        tl.store(reduces_ptr + max_reduces * 4, 1 << shift)  # the step's partition size
 
     # -- write this program's works: sequences first_seq .. end_seq - 1, a window at a time --
     if WINDOW == 0:
@@ -289,7 +298,7 @@ def _schedule_kernel(
             zero,
             zero,
             GROUP,
-            partition,
+            shift,
         )
     else:
         offs_w = tl.arange(0, WINDOW)
@@ -300,7 +309,7 @@ def _schedule_kernel(
             seq = w0 + offs_w
             lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
             parts_w, cum_incl_w, cum_excl_w, first_w, last_w = _layout(
-                lens_w, carry, base, rem, partition
+                lens_w, carry, base, rem, shift
             )
             carry += tl.sum(parts_w, axis=0)
             mine_carry, cut_carry = _write_works(
@@ -324,7 +333,7 @@ def _schedule_kernel(
                 mine_carry,
                 cut_carry,
                 GROUP,
-                partition,
+                shift,
             )
 
     # -- clear the reduce records no sequence uses, so the reducer skips them --
