@@ -148,7 +148,8 @@ def test_plan_invariants_and_numpy_twin(case):
 @pytest.mark.parametrize(
     "lens, num_programs, expected",
     [
-        ([1000], 8, 128),  # 4 partitions of 256 for 8 programs, all short: 128
+        ([1000], 8, 128),  # 4 partitions of 256 leave half of 8 programs idle: 128
+        ([1000], 7, 256),  # ... but not half of 7
         ([5000], 64, 256),  # longer than 32 x 128 tokens
         ([300] * 8, 8, 256),  # 16 partitions of 256 keep 8 programs busy
         ([4096, 1, 7], 64, 128),

@@ -242,12 +242,12 @@ def allocate_plan(
 
 def auto_partition_size(seq_lens, programs_per_head: int) -> int:
     """The partition size the scheduler picks when the plan leaves it open: 128 when
-    256-token partitions would leave programs idle and no sequence exceeds 32 x 128 tokens,
-    else 256."""
+    256-token partitions would leave at least half the programs of a kv head idle and no
+    sequence exceeds 32 x 128 tokens, else 256."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     total_large = int((-(-lens // AUTO_LARGE.value)).sum())
     longest = int(lens.max(initial=0))
-    if total_large < programs_per_head and longest <= AUTO_SMALL_MAX_LEN.value:
+    if 2 * total_large <= programs_per_head and longest <= AUTO_SMALL_MAX_LEN.value:
         return int(AUTO_SMALL.value)
     return int(AUTO_LARGE.value)
 

@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 # Partition sizes the scheduler picks between when the planner leaves it the choice
-# (PARTITION_SHIFT == 0): the small one when 256-token partitions would leave programs idle and no
-# sequence would be cut into more than 32 of them; else 256 (NOTES.md, session 4).
+# (PARTITION_SHIFT == 0): the small one when 256-token partitions would leave at least half
+# the programs of a kv head idle and no sequence would be cut into more than 32 of them;
+# else 256 (NOTES.md, steps 22 and 28).
 AUTO_SMALL = tl.constexpr(128)
 AUTO_LARGE = tl.constexpr(256)
 AUTO_SMALL_MAX_LEN = tl.constexpr(32 * 128)
@@ -37,7 +38,7 @@ AUTO_LARGE_SHIFT = tl.constexpr(8)
 @triton.jit
 def _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
     """log2 of the partition size picked from the lengths (see AUTO_SMALL)."""
-    small = (total_large < PROGRAMS_PER_HEAD) & (max_len <= AUTO_SMALL_MAX_LEN)
+    small = (2 * total_large <= PROGRAMS_PER_HEAD) & (max_len <= AUTO_SMALL_MAX_LEN)
     return tl.where(small, AUTO_SMALL_SHIFT, AUTO_LARGE_SHIFT)
 
 
