@@ -1,6 +1,7 @@
 """Scheduler cost: GPU time of plan_decode (CUDA-graph replay) and its host time.
 
-    python benchmarks/bench_schedule.py [--batches 1,64,256,1024,8192]
+    python benchmarks/bench_schedule.py [--batches 1,64,256,1024,8192] [--multipliers 1,4]
+        [--windows 16,32] [--warps 1,4]   # compare the scheduler's write window and warps
 
 GPU time = median over replays of a graph holding R plan_decode calls, divided by R (so launch
 gaps are mostly hidden, as in a captured serving step). Host time = median wall time of one

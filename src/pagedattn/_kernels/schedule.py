@@ -8,17 +8,21 @@ batch it writes them from a window of ``WINDOW`` sequences that it reloads, not 
 whole batch (``WINDOW == 0``: straight from the registers, for a small single-block batch).
 
 Model (per KV head; every head has the same structure, shifted):
-  ``parts[b] = cdiv(seq_lens[b], 2**PARTITION_SHIFT)``; the ``total`` partitions of the batch are laid
-  end to end and cut into ``PROGRAMS_PER_HEAD`` contiguous ranges whose sizes differ by at
+  ``parts[b] = cdiv(seq_lens[b], partition)``; the ``total`` partitions of the batch are
+  laid end to end and cut into ``PROGRAMS_PER_HEAD`` contiguous ranges whose sizes differ by at
   most one (``start(i) = i * base + min(i, rem)``). A work is the intersection of one
   program's range with one sequence. Sequences and ranges are both contiguous, so ordering
   works by (program, sequence) equals ordering them by sequence: a sequence's works are
   consecutive, and so are its partial slots.
 
-Buffer layout (int32; ``plan.py`` owns it and documents the fields):
+Partition size: ``2**PARTITION_SHIFT``, or with ``PARTITION_SHIFT == 0`` picked here from
+the lengths each step (``AUTO_*`` below), and written after the records.
+
+Buffer layout (int32, one buffer; ``plan.py`` owns it and documents the fields):
   work_indptr  [num_programs + 1]
   works        [max_works, 8]   (program, seq, kv_head, q_head_start, q_head_end, token_start, token_end, partial_slot)
   reduces      [max_reduces, 4]  (seq, kv_head, first_slot, num_slots); seq -1 = unused
+  partition    [1]               the step's partition size
 """
 
 import triton
