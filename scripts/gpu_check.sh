@@ -2,7 +2,9 @@
 # Everything on the GPU machine in ONE call: tests at realistic sizes, compute-sanitizer on a
 # small decode, scheduler timing, the offline tuner, the side-by-side benchmark; a short
 # summary printed last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
-#   bash scripts/gpu_check.sh [tests|tune|bench|all] [bench args...]
+#   bash scripts/gpu_check.sh [tests|tune|bench|all|profile] [bench args...]
+# (profile: host time of the calls and the per-program decode trace; not part of all, which
+# already fills most of the 8 files a call brings back)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -44,6 +46,13 @@ if [[ $MODE == bench || $MODE == all ]]; then
   python3 -m pagedattn bench --out "$OUT" "$@" >"$LOGS/bench.log" 2>&1
   summary+=("bench rc $?")
   tail -40 "$LOGS/bench.log"
+fi
+
+if [[ $MODE == profile ]]; then
+  python3 scripts/host_overhead.py >"$OUT/host.md" 2>&1
+  summary+=("host: $(grep -E '^\| (plan_decode|paged_decode)' "$OUT/host.md" | tr '\n' ' ')")
+  python3 scripts/trace_decode.py "$@" >"$OUT/trace.txt" 2>&1
+  summary+=("trace: $(grep -E 'programs,' "$OUT/trace.txt" | tr '\n' ' ')")
 fi
 
 echo "================ summary"
