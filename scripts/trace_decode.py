@@ -18,11 +18,10 @@ import numpy as np
 import torch
 
 import pagedattn
+from benchmarks.cases import KV_DTYPES, Case, kv_bytes
+from benchmarks.run import make_cache
 from benchmarks.timing import time_graph
 from pagedattn._kernels.decode import TRACE_SLOTS, TRACE_WORKS
-
-FP8 = torch.float8_e4m3fn
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 1, 128, 1024
 
 
 def pct(x, qs=(0, 50, 90, 100)):
@@ -30,27 +29,20 @@ def pct(x, qs=(0, 50, 90, 100)):
 
 
 def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) -> None:
-    cache = pagedattn.build_paged_cache(
-        [context] * batch,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-        device="cuda",
-        generator=gen,
-    )
-    q = torch.randn(batch * query_len, HEADS, HEAD_DIM, generator=gen, device="cuda")
-    q = q.to(torch.bfloat16)
+    case = Case(batch, context, query_len)  # the seed's: FP8 per-tensor, 16/1 heads, page 1024
+    cache = make_cache(case, torch.device("cuda"), gen)
+    q = torch.randn(
+        batch * query_len, case.num_q_heads, case.head_dim, generator=gen, device="cuda"
+    ).to(torch.bfloat16)
     plan = pagedattn.plan_decode(
         cache.seq_lens,
-        num_q_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE,
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        page_size=case.page_size,
         query_len=query_len,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
+        kv_dtype=KV_DTYPES[case.kv_dtype],
+        kv_scale=case.kv_scale,
     )
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
@@ -74,9 +66,9 @@ def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) 
             loop.append(w2 - w1)
             epi.append(nxt - w2)
             rec = works[indptr[p] + i]
-            nbytes = int(rec[6] - rec[5]) * HEAD_DIM * 2  # FP8 K + V of the work's tokens
+            nbytes = int(rec[6] - rec[5]) * case.head_dim * 2  # FP8 K + V of the work's tokens
             rate.append(nbytes / max(w2 - w1, 1e-3) / 1e3)  # GB/s
-    kv = batch * context * HEAD_DIM * 2
+    kv = kv_bytes(case)
     span = end.max()
     print(
         f"{batch}x{context} q{query_len}: {plan.num_programs} programs, works/program "
