@@ -319,16 +319,7 @@ def check_plan_matches(plan, shape: DecodeShape, device: torch.device) -> None:
 
     if not isinstance(plan, DecodePlan):
         _fail(TypeError, "plan", "a DecodePlan", type(plan).__name__)
-    for field in (
-        "batch",
-        "query_len",
-        "num_q_heads",
-        "num_kv_heads",
-        "head_dim",
-        "page_size",
-        "kv_dtype",
-        "kv_scale",
-    ):
+    for field in DecodePlan.SHAPE_FIELDS:
         want, got = getattr(shape, field), getattr(plan, field)
         if want != got:
             _fail(ValueError, "plan", f"{field}={want!r} (from the inputs)", f"{field}={got!r}")

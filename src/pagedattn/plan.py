@@ -96,8 +96,9 @@ class DecodePlan:
     max_partials: int
     max_reduces: int
 
-    # What a plan is made for (plan_decode's reuse= compares them in this order).
-    SIZE_FIELDS = (
+    # The step's shape a plan is made for (paged_decode checks them against its inputs), and
+    # everything it is made for (plan_decode's reuse= compares them in this order).
+    SHAPE_FIELDS = (
         "batch",
         "query_len",
         "num_q_heads",
@@ -106,10 +107,8 @@ class DecodePlan:
         "page_size",
         "kv_dtype",
         "kv_scale",
-        "num_programs",
-        "partition_size",
-        "device",
     )
+    SIZE_FIELDS = (*SHAPE_FIELDS, "num_programs", "partition_size", "device")
 
     @functools.cached_property
     def sizes_key(self) -> tuple:
