@@ -221,7 +221,8 @@ def _schedule_kernel(
         )
         p_start = local * base + tl.minimum(local, rem)
         p_end = p_start + base + (local < rem).to(tl.int32)
-        first_seq, end_seq, parts_before = _window(parts, cum_incl, cum_excl, p_start, p_end)
+        if WINDOW > 0:
+            first_seq, end_seq, parts_before = _window(parts, cum_incl, cum_excl, p_start, p_end)
     else:
         # -- pass 1: total partitions of one head --
         total = zero
