@@ -51,14 +51,18 @@ def test_head_chunks_rejects_other_counts(chunk, head_dim):
 @pytest.mark.parametrize(
     "rows, head_dim, records, expected",
     [
-        (16, 128, 1, (16, 16, 16)),  # one long sequence: 8 programs of 16 x 16
-        (64, 128, 1, (16, 16, 16)),  # 4 x 8 programs
-        (16, 128, 64, (16, 32, 8)),  # many records: wide tiles
-        (16, 128, 256, (16, 128, 2)),
-        (64, 128, 64, (64, 32, 2)),
-        (64, 128, 16, (16, 32, 8)),
+        # Up to 16 rows: all rows x 16 columns, 2048 elements a step, whatever the records.
+        (16, 128, 1, (16, 16, 8)),
+        (16, 128, 64, (16, 16, 8)),
+        (16, 128, 256, (16, 16, 8)),
+        (9, 64, 3, (16, 16, 8)),
+        (8, 128, 5, (8, 16, 16)),
         (1, 64, 1, (1, 16, 64)),  # MQA, one row
-        (9, 64, 3, (16, 16, 16)),
+        # More rows: about one program per SM; 4096 elements a step.
+        (64, 128, 1, (16, 16, 16)),  # one long sequence: 4 x 8 programs
+        (64, 128, 64, (64, 32, 2)),  # many records: wide tiles
+        (64, 128, 16, (16, 32, 8)),
+        (32, 128, 256, (32, 128, 1)),
     ],
 )
 def test_reduce_launch_config(rows, head_dim, records, expected):

@@ -18,6 +18,7 @@ from ._kernels.schedule import _schedule_kernel
 from .plan import DecodePlan, allocate_plan
 from .tuning.launch import (
     DecodeLaunchConfig,
+    ReduceLaunchConfig,
     decode_launch_config,
     default_grid_multiplier,
     default_num_programs,
@@ -441,37 +442,49 @@ def paged_decode(
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
     if plan.max_reduces > 0:
-        red = config.reduce or reduce_launch_config(
-            rows=rows,
-            head_dim=shape.head_dim,
-            records=plan.max_reduces,
-            sm_count=sm_count(q.device),
-        )
-        red.check(shape.head_dim)
-        row_blocks = -(-rows // red.block_r)
-        _launch_reduce(
-            (plan.max_reduces, row_blocks, shape.head_dim // red.block_d),
-            (
-                plan.metadata,
-                plan.reduces_offset,
-                plan.partials,
-                plan.lse_offset,
-                out,
-                out.stride(0),
-                out.stride(1),
-                lse_arg,
-                lse_stride,
-            ),
-            (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE
-                shape.query_len,
-                group,
-                shape.head_dim,
-                red.block_r,
-                red.block_d,
-                red.slot_block,
-                red.num_stages,
-                return_lse,
-            ),
-            num_warps=red.num_warps,
-        )
+        reduce_partials(plan, out, lse, config.reduce)
     return (out, lse) if return_lse else out
+
+
+def reduce_partials(
+    plan: DecodePlan,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    config: ReduceLaunchConfig | None = None,
+) -> None:
+    """Launches the split reducer alone: merges the partials the decode kernel left in
+    ``plan`` into ``out`` (and ``lse``). ``paged_decode`` calls it; benchmarks time it by
+    itself. ``config`` None: :func:`pagedattn.tuning.launch.reduce_launch_config`."""
+    rows = plan.rows
+    red = config or reduce_launch_config(
+        rows=rows,
+        head_dim=plan.head_dim,
+        records=plan.max_reduces,
+        sm_count=sm_count(out.device),
+    )
+    red.check(plan.head_dim)
+    _launch_reduce(
+        (plan.max_reduces, -(-rows // red.block_r), plan.head_dim // red.block_d),
+        (
+            plan.metadata,
+            plan.reduces_offset,
+            plan.partials,
+            plan.lse_offset,
+            out,
+            out.stride(0),
+            out.stride(1),
+            lse if lse is not None else out,  # never written when WRITE_LSE is False
+            lse.stride(0) if lse is not None else 0,
+        ),
+        (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE
+            plan.query_len,
+            plan.group,
+            plan.head_dim,
+            red.block_r,
+            red.block_d,
+            red.slot_block,
+            red.num_stages,
+            lse is not None,
+        ),
+        num_warps=red.num_warps,
+    )

@@ -39,12 +39,15 @@ def _reduce_kernel(
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     partial_lse_ptr = partial_out_ptr + lse_offset
-    rec = metadata_ptr + reduces_offset + tl.program_id(0).to(tl.int64) * 4
-    seq = tl.load(rec)
+    # The whole record in one load (the fields are picked out in registers): one round
+    # trip before the partials' addresses are known, not two.
+    fields = tl.arange(0, 4)
+    rec = tl.load(metadata_ptr + reduces_offset + tl.program_id(0).to(tl.int64) * 4 + fields)
+    seq = tl.sum(tl.where(fields == 0, rec, 0), axis=0)
     if seq >= 0:
-        kv_head = tl.load(rec + 1)
-        first_slot = tl.load(rec + 2)
-        num_slots = tl.load(rec + 3)
+        kv_head = tl.sum(tl.where(fields == 1, rec, 0), axis=0)
+        first_slot = tl.sum(tl.where(fields == 2, rec, 0), axis=0)
+        num_slots = tl.sum(tl.where(fields == 3, rec, 0), axis=0)
         offs_j = tl.arange(0, SLOT_BLOCK)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         d0 = tl.program_id(2) * BLOCK_D

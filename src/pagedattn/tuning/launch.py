@@ -111,13 +111,18 @@ def reduce_launch_config(
 ) -> ReduceLaunchConfig:
     """Reducer tile for ``records`` possible cut sequences (the plan's bound).
 
-    Aims at about one program per SM in all (the merge's tiles take ~200 registers a thread,
-    so few programs fit per SM): many records keep wide tiles (all rows, 32+ columns; one
-    round trip for a few partials each), few records (one long sequence cut into hundreds of
-    partials) split rows and columns down to 16 x 16 so the merge spreads over many programs.
-    4096 partial elements per step, not pipelined. Measured on the H200: benchmarks/NOTES.md
-    (step 18).
+    Up to 16 rows (``SMALL_ROWS``): all rows x 16 columns, 2048 partial elements per step
+    (16 x 16 x 8 partials was the fastest tile, or within 0.05 µs of it, at all seven q_len-1
+    shapes measured, 1 to 128 records: 5.2 -> 4.0 µs at 64 x 8192; NOTES.md, step 30).
+    More rows: about one program per SM in all; many records keep wide tiles (all rows, 32+
+    columns), few records split rows and columns down to 16 x 16 so the merge spreads over
+    many programs; 4096 partial elements per step (step 18). Not pipelined.
     """
+    if rows <= SMALL_ROWS:
+        block_r = next_power_of_2(rows)
+        block_d = min(16, head_dim)
+        slot_block = max(1, min(64, 2048 // (block_r * block_d)))
+        return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
     block_r = next_power_of_2(rows)
     block_d = head_dim
     target = -(-sm_count // max(records, 1))
