@@ -64,12 +64,16 @@ def _div_small(x, d, inv_d):
 
 @triton.jit
 def _program_of(x, base, rem):
-    # Inverse of start(i) = i * base + min(i, rem): which program owns partition x.
+    # Inverse of start(i) = i * base + min(i, rem): which program owns partition x. The first
+    # rem programs hold base + 1 partitions, the rest base: one division, by the divisor of
+    # x's side (selected per element), not one per side.
     big = rem * (base + 1)
-    safe_base = tl.maximum(base, 1)
-    head = _div_small(x, base + 1, 1.0 / (base + 1).to(tl.float32))
-    tail = rem + _div_small(x - big, safe_base, 1.0 / safe_base.to(tl.float32))
-    return tl.where(x < big, head, tail)
+    head = x < big
+    d = tl.where(head, base + 1, tl.maximum(base, 1))
+    inv_head = 1.0 / (base + 1).to(tl.float32)
+    inv_tail = 1.0 / tl.maximum(base, 1).to(tl.float32)
+    q = _div_small(tl.where(head, x, x - big), d, tl.where(head, inv_head, inv_tail))
+    return tl.where(head, q, rem + q)
 
 
 @triton.jit
