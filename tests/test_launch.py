@@ -11,6 +11,7 @@ from pagedattn.tuning.launch import (
     default_partition,
     head_chunks,
     reduce_launch_config,
+    schedule_warps,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -58,11 +59,13 @@ def test_head_chunks_rejects_other_counts(chunk, head_dim):
         (9, 64, 3, (16, 16, 8)),
         (8, 128, 5, (8, 16, 16)),
         (1, 64, 1, (1, 16, 64)),  # MQA, one row
-        # More rows: about one program per SM; 4096 elements a step.
-        (64, 128, 1, (16, 16, 16)),  # one long sequence: 4 x 8 programs
-        (64, 128, 64, (64, 32, 2)),  # many records: wide tiles
-        (64, 128, 16, (16, 32, 8)),
-        (32, 128, 256, (32, 128, 1)),
+        # More rows: about one program per SM, at most 2048 elements a step.
+        (64, 128, 1, (16, 16, 8)),  # one long sequence: rows split, 16 columns
+        (64, 128, 16, (16, 16, 8)),
+        (64, 128, 64, (64, 32, 1)),  # many records: all rows, 32 columns
+        (64, 128, 128, (64, 32, 1)),  # (64 columns would be 4096 elements)
+        (32, 128, 256, (32, 64, 1)),
+        (128, 128, 132, (128, 16, 1)),
     ],
 )
 def test_reduce_launch_config(rows, head_dim, records, expected):
@@ -127,3 +130,21 @@ def test_cached_launch_key_tracks_what_triton_specialises_on():
     assert _specialisation(3) == _specialisation(5)
     with pytest.raises(TypeError, match="CachedLaunch"):
         _specialisation(0.5)
+
+
+@pytest.mark.parametrize(
+    "block_b, num_programs, expected",
+    [
+        (64, 528, 1),  # one warp up to 64 sequences, whatever the grid
+        (256, 132, 4),  # by size
+        (2048, 132, 8),
+        (256, 264, 4),  # about 8 warps per SM in all
+        (2048, 264, 4),
+        (1024, 528, 2),
+        (2048, 528, 2),
+        (2048, 396, 2),  # 8 * 132 // 396 = 2
+        (2048, 1, 8),
+    ],
+)
+def test_schedule_warps(block_b, num_programs, expected):
+    assert schedule_warps(block_b=block_b, num_programs=num_programs, sm_count=132) == expected

@@ -27,6 +27,7 @@ from .tuning.launch import (
     head_chunks,
     next_power_of_2,
     reduce_launch_config,
+    schedule_warps,
     sm_count,
 )
 from .tuning.table import TuningKey, lookup_grid
@@ -40,8 +41,8 @@ _SCHEDULE_BLOCK = 2048
 # written straight from the registers that hold them (one global round trip fewer).
 _SCHEDULE_WINDOW = 32
 _SCHEDULE_WHOLE = 256
-# Warps of a scheduler program (None: by block size; benchmarks set it). One warp for up to
-# 64 sequences needs no cross-warp exchange (batch 64: 2.07 vs 2.67 µs with 4, NOTES step 26).
+# Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
+# benchmarks set it).
 _SCHEDULE_WARPS = None
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
@@ -191,7 +192,8 @@ def plan_decode(
             batch <= block_b,
             0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW,
         ),
-        num_warps=_SCHEDULE_WARPS or (1 if block_b <= 64 else 4 if block_b <= 1024 else 8),
+        num_warps=_SCHEDULE_WARPS
+        or schedule_warps(block_b=block_b, num_programs=num_programs, sm_count=sm_count(device)),
     )
     return plan
 

@@ -109,21 +109,23 @@ def next_power_of_2(n: int) -> int:
 def reduce_launch_config(
     *, rows: int, head_dim: int, records: int, sm_count: int
 ) -> ReduceLaunchConfig:
-    """Reducer tile for ``records`` possible cut sequences (the plan's bound).
+    """Reducer tile for ``records`` possible cut sequences (the plan's bound); at most 2048
+    partial elements (rows x columns x partials) per step, not pipelined.
 
-    Up to 16 rows (``SMALL_ROWS``): all rows x 16 columns, 2048 partial elements per step
-    (16 x 16 x 8 partials was the fastest tile, or within 0.05 µs of it, at all seven q_len-1
-    shapes measured, 1 to 128 records: 5.2 -> 4.0 µs at 64 x 8192; NOTES.md, step 30).
-    More rows: about one program per SM in all; many records keep wide tiles (all rows, 32+
-    columns), few records split rows and columns down to 16 x 16 so the merge spreads over
-    many programs; 4096 partial elements per step (step 18). Not pipelined.
+    Up to 16 rows (``SMALL_ROWS``): all rows x 16 columns x 8 partials (for 16 rows the
+    fastest tile, or within 0.05 µs of it, at all seven q_len-1 shapes measured, 1 to 128
+    records: 5.2 -> 4.0 µs at 64 x 8192; NOTES.md, step 30). More rows: about one program
+    per SM in all; many records keep all rows and 32+ columns, few records split the rows
+    down to 16 and then take 16 columns, so the merge spreads over many programs (q_len 4,
+    16 rows x 4: 64 x 8192 4.37 -> 3.97 µs with 64 x 32 x 1, 16 x 32768 6.80 -> 5.05 with
+    16 x 16 x 8; steps 18 and 35).
     """
     if rows <= SMALL_ROWS:
         block_r = next_power_of_2(rows)
         block_d = min(16, head_dim)
         slot_block = max(1, min(64, 2048 // (block_r * block_d)))
         return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
-    block_r = next_power_of_2(rows)
+    all_rows = block_r = next_power_of_2(rows)
     block_d = head_dim
     target = -(-sm_count // max(records, 1))
 
@@ -134,10 +136,26 @@ def reduce_launch_config(
         block_d //= 2
     while programs() < target and block_r > 16:
         block_r //= 2
-    while programs() < target and block_d > 16:
+    if block_r < all_rows:
+        block_d = 16
+    while block_r * block_d > 2048 and block_d > 16:
         block_d //= 2
-    slot_block = max(1, min(64, 4096 // (block_r * block_d)))
+    slot_block = max(1, min(64, 2048 // (block_r * block_d)))
     return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
+
+
+def schedule_warps(*, block_b: int, num_programs: int, sm_count: int) -> int:
+    """Warps of a scheduler program holding ``block_b`` sequences at once. One warp up to 64
+    (no cross-warp exchange); above, 4 up to 1024 sequences and 8 beyond, but no more than
+    about 8 warps per SM in all (every program scans the whole batch, so with 4 programs per
+    SM fewer warps each win). Measured on the H200 (benchmarks/NOTES.md, steps 26 and 35):
+    batch 8192 with 528 programs 33.2 µs at 8 warps, 27.0 at 2; batch 256 x 528 3.83 -> 3.53;
+    with 132 programs 8 warps stay the best at batch 8192 (14.7 vs 15.9 at 4)."""
+    if block_b <= 64:
+        return 1
+    by_size = 4 if block_b <= 1024 else 8
+    per_sm = max(1, 8 * sm_count // max(num_programs, 1))
+    return max(1, min(by_size, 1 << (per_sm.bit_length() - 1)))
 
 
 def head_chunks(config: DecodeLaunchConfig, head_dim: int) -> int:
