@@ -629,12 +629,7 @@ def _decode_kernel(
         # the causal zone of the new tokens): no masks, no selects. The rest are masked.
         full_end = lo
         if UNMASKED_LOOP and not HAS_WINDOW:
-            if QUERY_LEN == 1:
-                # Every key before token_end (<= seq_len, by the plan) is visible: the loop's
-                # bounds do not wait for the seq_len load (one dependent round trip less).
-                unmasked = token_end - lo
-            else:
-                unmasked = tl.minimum(token_end, seq_len - QUERY_LEN + 1) - lo
+            unmasked = tl.minimum(token_end, seq_len - QUERY_LEN + 1) - lo
             full_end = lo + tl.maximum(unmasked, 0) // BLOCK_N * BLOCK_N
         if TRACE:
             if trace_on:
