@@ -443,8 +443,7 @@ def paged_decode(
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
-    if plan.max_reduces > 0:
-        reduce_partials(plan, out, lse, config.reduce)
+    reduce_partials(plan, out, lse, config.reduce)
     return (out, lse) if return_lse else out
 
 
@@ -456,7 +455,11 @@ def reduce_partials(
 ) -> None:
     """Launches the split reducer alone: merges the partials the decode kernel left in
     ``plan`` into ``out`` (and ``lse``). ``paged_decode`` calls it; benchmarks time it by
-    itself. ``config`` None: :func:`pagedattn.tuning.launch.reduce_launch_config`."""
+    itself; it checks no arguments (``paged_decode`` has). ``config`` None:
+    :func:`pagedattn.tuning.launch.reduce_launch_config`. A plan that can cut no sequence
+    (``max_reduces == 0``) launches nothing."""
+    if plan.max_reduces == 0:
+        return
     rows = plan.rows
     red = config or reduce_launch_config(
         rows=rows,
