@@ -16,8 +16,8 @@ import argparse
 import torch
 
 import pagedattn
-from benchmarks.cases import KV_DTYPES, Case
-from benchmarks.run import make_cache
+from benchmarks.cases import Case
+from benchmarks.run import fixed_plan_call
 from benchmarks.timing import time_graph
 from pagedattn.api import reduce_partials
 from pagedattn.tuning.launch import ReduceLaunchConfig
@@ -50,22 +50,7 @@ def main() -> None:
 def bench_shape(shape: str, tiles: list[str], gen: torch.Generator) -> None:
     batch, context, query_len = (int(x) for x in shape.split("x"))
     case = Case(batch, context, query_len)
-    cache = make_cache(case, torch.device("cuda"), gen)
-    q = torch.randn(
-        batch * query_len, case.num_q_heads, case.head_dim, generator=gen, device="cuda"
-    ).to(torch.bfloat16)
-    plan = pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=case.num_q_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim,
-        page_size=case.page_size,
-        query_len=query_len,
-        kv_dtype=KV_DTYPES[case.kv_dtype],
-        kv_scale=case.kv_scale,
-    )
-    args_ = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
-    kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    plan, args_, kw = fixed_plan_call(case, gen)
     step_us = time_graph([lambda: pagedattn.paged_decode(*args_, **kw)] * 8).us_p50
     ref = pagedattn.paged_decode(*args_, **kw)
     torch.cuda.synchronize()

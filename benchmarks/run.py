@@ -89,6 +89,33 @@ def make_cache(case: Case, device: torch.device, generator: torch.Generator | No
     return cache
 
 
+def fixed_plan_call(case: Case, generator: torch.Generator) -> tuple:
+    """One decode step of ``case`` on the GPU, for the narrow tools (reducer bench, trace):
+    a random cache and bf16 query, the default plan made once. Returns ``(plan, args, kw)``
+    such that ``pagedattn.paged_decode(*args, **kw)`` runs the step with that plan."""
+    device = torch.device("cuda")
+    cache = make_cache(case, device, generator)
+    q = torch.randn(
+        case.batch * case.query_len,
+        case.num_q_heads,
+        case.head_dim,
+        generator=generator,
+        device=device,
+    ).to(torch.bfloat16)
+    plan = pagedattn.plan_decode(
+        cache.seq_lens,
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        page_size=case.page_size,
+        query_len=case.query_len,
+        kv_dtype=KV_DTYPES[case.kv_dtype],
+        kv_scale=case.kv_scale,
+    )
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    return plan, args, dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+
 def make_copies(cache, count: int) -> list[KVCopy]:
     """``count`` disjoint copies of the cache (the first is the cache itself)."""
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 import pagedattn
-from benchmarks.cases import KV_DTYPES, Case, kv_bytes
-from benchmarks.run import make_cache
+from benchmarks.cases import Case, kv_bytes
+from benchmarks.run import fixed_plan_call
 from benchmarks.timing import time_graph
 from pagedattn._kernels.decode import TRACE_SLOTS, TRACE_WORKS
 
@@ -30,22 +30,7 @@ def pct(x, qs=(0, 50, 90, 100)):
 
 def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) -> None:
     case = Case(batch, context, query_len)  # the seed's: FP8 per-tensor, 16/1 heads, page 1024
-    cache = make_cache(case, torch.device("cuda"), gen)
-    q = torch.randn(
-        batch * query_len, case.num_q_heads, case.head_dim, generator=gen, device="cuda"
-    ).to(torch.bfloat16)
-    plan = pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=case.num_q_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim,
-        page_size=case.page_size,
-        query_len=query_len,
-        kv_dtype=KV_DTYPES[case.kv_dtype],
-        kv_scale=case.kv_scale,
-    )
-    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
-    kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    plan, args, kw = fixed_plan_call(case, gen)
     step_us = time_graph([lambda: pagedattn.paged_decode(*args, **kw)] * 8).us_p50
     trace = torch.zeros(plan.num_programs, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     for _ in range(3):  # compile, then warm; the last run's stamps are kept
