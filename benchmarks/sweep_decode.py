@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="128x8192x1,128x8192x4,16x32768x1")
     parser.add_argument("--scale", default="per_tensor")
     parser.add_argument("--mults", default="1,2,4")
+    parser.add_argument(
+        "--programs", default="", help="program counts to sweep instead of --mults x SMs"
+    )
     parser.add_argument("--block-n", default="64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--tma", default="1")
@@ -83,9 +86,14 @@ def main() -> None:
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         best = None
-        for flags, mult, bn, warps, pf, st, regs, chunk, red, part in itertools.product(
+        grids = (
+            [int(x) for x in args.programs.split(",")]
+            if args.programs
+            else [sms * int(x) for x in args.mults.split(",")]
+        )
+        for flags, programs, bn, warps, pf, st, regs, chunk, red, part in itertools.product(
             args.flags.split(","),
-            [int(x) for x in args.mults.split(",")],
+            grids,
             [int(x) for x in args.block_n.split(",")],
             [int(x) for x in args.warps.split(",")],
             [bool(int(x)) for x in args.tma.split(",")],
@@ -104,7 +112,7 @@ def main() -> None:
                 query_len=query_len,
                 kv_dtype=kv_dtype,
                 kv_scale=kv_scale,
-                num_programs=sms * mult,
+                num_programs=programs,
                 partition_size=part,
             )
             cfg = DecodeLaunchConfig(
@@ -124,13 +132,15 @@ def main() -> None:
             try:
                 ms = time_graph([step] * GRAPH_CALLS).us_p50 * 1e-3
             except Exception as exc:  # a config that does not compile (shared memory, ...)
-                print(f"{shape} mult {mult} {cfg}: failed: {type(exc).__name__}: {exc}"[:200])
+                print(
+                    f"{shape} programs {programs} {cfg}: failed: {type(exc).__name__}: {exc}"[:200]
+                )
                 continue
             gbps = nbytes / (ms * 1e-3) / 1e9
             row = (
                 shape,
                 flags,
-                mult,
+                programs,
                 bn,
                 warps,
                 pf,
@@ -149,7 +159,7 @@ def main() -> None:
                 best = row
         print("best:", best)
     print(
-        "| shape | flags | mult | block_n | warps | tma | stages | maxnreg | chunk | reduce "
+        "| shape | flags | programs | block_n | warps | tma | stages | maxnreg | chunk | reduce "
         "| partition | µs | GB/s | % read |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

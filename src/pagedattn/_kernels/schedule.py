@@ -77,9 +77,14 @@ def _program_of(x, base, rem):
 
 
 @triton.jit
+def _start_of(i, base, rem):
+    # First partition of program i of a head: start(i) = i * base + min(i, rem).
+    return i * base + tl.minimum(i, rem)
+
+
+@triton.jit
 def _pack(hi, lo):
-    # Two non-negative int32 counts in one int64, so one sum or scan serves both (fewer
-    # cross-warp exchanges); the low half's sum stays below 2^32.
+    # Two non-negative int32 counts in one int64, so one scan serves both.
     return (hi.to(tl.int64) << 32) | lo.to(tl.int64)
 
 
@@ -89,42 +94,61 @@ def _unpack(x):
 
 
 @triton.jit
+def _pack4(a, b, c, d):
+    # Four counts of one chunk (each <= BLOCK_B < 2^15) in one int64, so one sum serves four.
+    return (a.to(tl.int64) << 48) | (b.to(tl.int64) << 32) | (c.to(tl.int64) << 16) | d.to(tl.int64)
+
+
+@triton.jit
+def _unpack4(x):
+    return (
+        ((x >> 48) & 0xFFFF).to(tl.int32),
+        ((x >> 32) & 0xFFFF).to(tl.int32),
+        ((x >> 16) & 0xFFFF).to(tl.int32),
+        (x & 0xFFFF).to(tl.int32),
+    )
+
+
+@triton.jit
 def _layout(lens, carry, base, rem, shift):
-    """Partitions of a chunk of sequences, where they sit, and which programs they span."""
+    """Partitions of a chunk of sequences, where they sit, and the program of each first one."""
     parts = _cdiv_shift(lens, shift)
     cum_incl = carry + tl.cumsum(parts, axis=0)
     cum_excl = cum_incl - parts
     first = _program_of(cum_excl, base, rem)
-    last = _program_of(cum_incl - 1, base, rem)
-    return parts, cum_incl, cum_excl, first, last
+    return parts, cum_incl, cum_excl, first
 
 
 @triton.jit
-def _prefix(parts, first, last, local):
-    """Per chunk: works, partial slots and cut sequences before program ``local``, and totals."""
-    pieces = tl.where(parts > 0, last - first + 1, 0)
-    cut = pieces > 1
-    pieces_before = tl.where(parts > 0, tl.maximum(tl.minimum(last, local - 1) - first + 1, 0), 0)
-    # Six sums as three (counts packed in pairs).
-    works_before, partials_before = _unpack(
-        tl.sum(_pack(pieces_before, tl.where(cut, pieces_before, 0)), axis=0)
-    )
-    cut_before, total_cut = _unpack(tl.sum(_pack(cut & (first < local), cut), axis=0))
-    total_works, total_partials = _unpack(tl.sum(_pack(pieces, tl.where(cut, pieces, 0)), axis=0))
-    return works_before, partials_before, cut_before, total_works, total_partials, total_cut
+def _counts(parts, cum_incl, cum_excl, first, base, rem, p_start, p_end):
+    """Per chunk, the counts a program needs to place its works, as two packed sums.
 
+    Works and partials come from sequence counts and program boundaries, with one program
+    lookup per sequence (its first partition's): a boundary ``start(j)``, ``0 < j <`` the
+    count of non-empty programs, either begins a sequence or falls inside one, cutting it
+    once more. So before program ``local`` (the ``p_start`` below): works = non-empty
+    sequences that begin before ``p_start`` + interior boundaries ``j < local``; partials =
+    cut sequences that begin before it + the same interior boundaries; and likewise for the
+    totals. The caller turns the counts into those sums.
 
-@triton.jit
-def _window(parts, cum_incl, cum_excl, p_start, p_end):
-    """Per chunk: how many sequences end at or before partition ``p_start`` (the program's
-    first sequence is that count, summed over chunks), how many begin before ``p_end`` (one
-    past its last; ``cum_excl`` only grows, so both counts are prefixes of the batch), and
-    the partitions of the former (where the first one begins). Empty sequences in between
-    are skipped by the writer's ``parts > 0``."""
+    Returns ``(before, totals, parts_before)``: ``before`` packs (non-empty, cut, beginning at
+    a boundary) among the sequences that begin before ``p_start``, and the sequences that end
+    at or before it (the program's first sequence); ``totals`` packs the sequences that begin
+    before ``p_end`` (one past its last) and (non-empty, cut, beginning at a boundary) over the
+    chunk; ``parts_before`` is the partition where the program's first sequence begins (the
+    largest ``cum_incl <= p_start``; a maximum, not a sum, over chunks)."""
+    nonempty = parts > 0
+    at_start = nonempty & (cum_excl > 0) & (_start_of(first, base, rem) == cum_excl)
+    cut = nonempty & (cum_incl > _start_of(first + 1, base, rem))
+    begins_before = cum_excl < p_start
     done = cum_incl <= p_start
-    first_seq = tl.sum(done.to(tl.int32), axis=0)
-    end_seq = tl.sum((cum_excl < p_end).to(tl.int32), axis=0)
-    return first_seq, end_seq, tl.sum(tl.where(done, parts, 0), axis=0)
+    before = tl.sum(
+        _pack4(nonempty & begins_before, cut & begins_before, at_start & begins_before, done),
+        axis=0,
+    )
+    totals = tl.sum(_pack4(cum_excl < p_end, nonempty, cut, at_start), axis=0)
+    parts_before = tl.max(tl.where(done, cum_incl, 0), axis=0)
+    return before, totals, parts_before
 
 
 @triton.jit
@@ -137,7 +161,8 @@ def _write_works(
     cum_incl,
     cum_excl,
     first,
-    last,
+    base,
+    rem,
     pid,
     kv_head,
     local,
@@ -153,6 +178,7 @@ def _write_works(
 ):
     """Writes this program's works among a chunk of sequences (and the reduce record of a cut
     sequence it starts); returns the running counts of its works and cut works."""
+    last = _program_of(cum_incl - 1, base, rem)
     mine = (parts > 0) & (first <= local) & (last >= local)
     cut = mine & (last > first)
     mine_scan, cut_scan = _unpack(tl.cumsum(_pack(mine, cut), axis=0))
@@ -219,14 +245,14 @@ def _schedule_kernel(
         total = tl.sum(_cdiv_shift(lens, shift), axis=0)
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
-        parts, cum_incl, cum_excl, first, last = _layout(lens, zero, base, rem, shift)
-        works_before, partials_before, cut_before, total_works, total_partials, total_cut = _prefix(
-            parts, first, last, local
+        p_start = _start_of(local, base, rem)
+        p_end = _start_of(local + 1, base, rem)
+        parts, cum_incl, cum_excl, first = _layout(lens, zero, base, rem, shift)
+        before, totals, parts_before = _counts(
+            parts, cum_incl, cum_excl, first, base, rem, p_start, p_end
         )
-        p_start = local * base + tl.minimum(local, rem)
-        p_end = p_start + base + (local < rem).to(tl.int32)
-        if WINDOW > 0:
-            first_seq, end_seq, parts_before = _window(parts, cum_incl, cum_excl, p_start, p_end)
+        nonempty_before, cut_before, at_start_before, first_seq = _unpack4(before)
+        end_seq, total_nonempty, total_cut, total_at_start = _unpack4(totals)
     else:
         # -- pass 1: total partitions of one head --
         total = zero
@@ -247,35 +273,47 @@ def _schedule_kernel(
             shift = zero + PARTITION_SHIFT
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
-        p_start = local * base + tl.minimum(local, rem)
-        p_end = p_start + base + (local < rem).to(tl.int32)
+        p_start = _start_of(local, base, rem)
+        p_end = _start_of(local + 1, base, rem)
         # -- pass 2: what lies before this program, and per-head totals --
         first_seq = zero
         end_seq = zero
         parts_before = zero
-        works_before = zero
-        partials_before = zero
+        nonempty_before = zero
         cut_before = zero
-        total_works = zero
-        total_partials = zero
+        at_start_before = zero
+        total_nonempty = zero
         total_cut = zero
+        total_at_start = zero
         carry = zero
         for b0 in range(0, batch, BLOCK_B):
             lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
-            parts, cum_incl, cum_excl, first, last = _layout(lens, carry, base, rem, shift)
+            parts, cum_incl, cum_excl, first = _layout(lens, carry, base, rem, shift)
             carry += tl.sum(parts, axis=0)
-            wb, pb, cb, tw, tp, tc = _prefix(parts, first, last, local)
-            fs, es, pbf = _window(parts, cum_incl, cum_excl, p_start, p_end)
+            before, totals, pb = _counts(
+                parts, cum_incl, cum_excl, first, base, rem, p_start, p_end
+            )
+            ne_b, cut_b, as_b, fs = _unpack4(before)
+            es, ne_t, cut_t, as_t = _unpack4(totals)
+            nonempty_before += ne_b
+            cut_before += cut_b
+            at_start_before += as_b
             first_seq += fs
             end_seq += es
-            parts_before += pbf
-            works_before += wb
-            partials_before += pb
-            cut_before += cb
-            total_works += tw
-            total_partials += tp
-            total_cut += tc
+            total_nonempty += ne_t
+            total_cut += cut_t
+            total_at_start += as_t
+            parts_before = tl.maximum(parts_before, pb)
 
+    # Boundaries between non-empty programs that fall inside a sequence (each cuts it once
+    # more), before this program and in all (see _counts).
+    nonempty_programs = tl.where(base > 0, PROGRAMS_PER_HEAD, rem)
+    interior_before = tl.maximum(tl.minimum(local, nonempty_programs) - 1, 0) - at_start_before
+    interior_total = tl.maximum(nonempty_programs - 1, 0) - total_at_start
+    works_before = nonempty_before + interior_before
+    partials_before = cut_before + interior_before
+    total_works = total_nonempty + interior_total
+    total_partials = total_cut + interior_total
     work_base = kv_head * total_works + works_before
     slot_base = kv_head * total_partials + partials_before
     reduce_index = kv_head * total_cut + cut_before
@@ -296,7 +334,8 @@ def _schedule_kernel(
             cum_incl,
             cum_excl,
             first,
-            last,
+            base,
+            rem,
             pid,
             kv_head,
             local,
@@ -318,9 +357,7 @@ def _schedule_kernel(
         for w0 in range(first_seq, end_seq, WINDOW):
             seq = w0 + offs_w
             lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
-            parts_w, cum_incl_w, cum_excl_w, first_w, last_w = _layout(
-                lens_w, carry, base, rem, shift
-            )
+            parts_w, cum_incl_w, cum_excl_w, first_w = _layout(lens_w, carry, base, rem, shift)
             carry += tl.sum(parts_w, axis=0)
             mine_carry, cut_carry = _write_works(
                 works_ptr,
@@ -331,7 +368,8 @@ def _schedule_kernel(
                 cum_incl_w,
                 cum_excl_w,
                 first_w,
-                last_w,
+                base,
+                rem,
                 pid,
                 kv_head,
                 local,
