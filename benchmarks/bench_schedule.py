@@ -1,7 +1,8 @@
 """Scheduler cost: GPU time of plan_decode (CUDA-graph replay) and its host time.
 
     python benchmarks/bench_schedule.py [--batches 1,64,256,1024,8192] [--multipliers 1,4]
-        [--windows 16,32] [--warps 1,4]   # compare the scheduler's write window and warps
+        [--windows 16,32] [--warps 1,4] [--locals 1,4]
+    # compare the scheduler's write window, warps, and decode programs per scheduler program
 
 GPU time = median over replays of a graph holding R plan_decode calls, divided by R (so launch
 gaps are mostly hidden, as in a captured serving step). Host time = median wall time of one
@@ -51,26 +52,32 @@ def main() -> None:
         help="sequences per step of the works writer to compare (default: the library's)",
     )
     parser.add_argument("--warps", default="", help="scheduler warps to compare")
+    parser.add_argument(
+        "--locals", default="", help="decode programs per scheduler program to compare"
+    )
     args = parser.parse_args()
     windows = [int(x) for x in args.windows.split(",")] if args.windows else [None]
     warps_list = [int(x) for x in args.warps.split(",")] if args.warps else [None]
+    locals_list = [int(x) for x in args.locals.split(",")] if args.locals else [None]
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     gen = torch.Generator(device=device).manual_seed(0)
     print(
-        "| batch | programs | window | warps | GPU µs (graph replay) | host µs (plan_decode) "
-        "| host µs (reuse=) |"
+        "| batch | programs | locals | window | warps | GPU µs (graph replay) "
+        "| host µs (plan_decode) | host µs (reuse=) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     default_window = pagedattn.api._SCHEDULE_WINDOW
-    for batch, mult, window, warps in itertools.product(
+    for batch, mult, window, warps, locals_ in itertools.product(
         [int(b) for b in args.batches.split(",")],
         [int(m) for m in args.multipliers.split(",")],
         windows,
         warps_list,
+        locals_list,
     ):
         pagedattn.api._SCHEDULE_WINDOW = window or default_window
         pagedattn.api._SCHEDULE_WARPS = warps
+        pagedattn.api._SCHEDULE_LOCALS = locals_
         lens = torch.randint(1, 32768, (batch,), generator=gen, device=device)
         seq_lens = lens.to(torch.int32)
         kw = dict(
@@ -95,12 +102,13 @@ def main() -> None:
         whole = batch <= pagedattn.api._SCHEDULE_WHOLE
         shown_window = "whole" if whole else pagedattn.api._SCHEDULE_WINDOW
         print(
-            f"| {batch} | {sms * mult} | {shown_window} | {warps or 'auto'} "
+            f"| {batch} | {sms * mult} | {locals_ or 'auto'} | {shown_window} | {warps or 'auto'} "
             f"| {g:.2f} "
             f"| {h:.1f} | {r:.1f} |"
         )
     pagedattn.api._SCHEDULE_WINDOW = default_window
     pagedattn.api._SCHEDULE_WARPS = None
+    pagedattn.api._SCHEDULE_LOCALS = None
 
 
 if __name__ == "__main__":

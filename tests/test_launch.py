@@ -11,6 +11,7 @@ from pagedattn.tuning.launch import (
     default_partition,
     head_chunks,
     reduce_launch_config,
+    schedule_locals,
     schedule_warps,
 )
 
@@ -148,3 +149,26 @@ def test_cached_launch_key_tracks_what_triton_specialises_on():
 )
 def test_schedule_warps(block_b, num_programs, expected):
     assert schedule_warps(block_b=block_b, num_programs=num_programs, sm_count=132) == expected
+
+
+@pytest.mark.parametrize(
+    "num_programs, num_kv_heads, expected",
+    [
+        (132, 1, 1),  # up to two decode programs per SM: one scheduler program each
+        (264, 1, 1),
+        (528, 1, 2),  # about two scheduler programs per SM
+        (1056, 1, 4),
+        (1056, 8, 4),
+        (1056, 48, 2),  # 22 programs a head: 4 does not divide it
+        (792, 1, 2),  # 6 per SM: the power of two below 3
+        (4224, 1, 8),  # capped at 8
+        (7, 1, 1),
+    ],
+)
+def test_schedule_locals(num_programs, num_kv_heads, expected):
+    kw = dict(num_programs=num_programs, num_kv_heads=num_kv_heads, sm_count=132)
+    got = schedule_locals(batch=8192, block_b=2048, **kw)
+    assert got == expected
+    assert (num_programs // num_kv_heads) % got == 0
+    # a batch scanned in one block: one scheduler program per decode program
+    assert schedule_locals(batch=2048, block_b=2048, **kw) == 1

@@ -271,6 +271,40 @@ def test_chunked_scan_matches_single_block(window, monkeypatch):
     check_matches_numpy(chunked, lens, 64)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("locals_", [2, 4])
+def test_scheduler_programs_serving_several_decode_programs(locals_, chunked, monkeypatch):
+    """One scheduler program writes the works of 2 or 4 consecutive decode programs: the same
+    plan as one scheduler program per decode program, from a single block or in chunks,
+    with a window or from the registers, including empty sequences and idle programs."""
+    import pagedattn.api
+
+    rng = np.random.default_rng(11)
+    lens = rng.integers(0, 700, size=45)
+    lens[[3, 20]] = 9000, 0
+    block = pagedattn.api._SCHEDULE_BLOCK
+    cases = [
+        (lens, dict(num_kv_heads=2, group=2, num_programs=16, partition_size=64)),
+        (lens[:5], dict(num_kv_heads=1, group=4, num_programs=24, partition_size=None)),
+        ([300, 5], dict(num_kv_heads=1, group=4, num_programs=16, partition_size=256)),
+    ]
+    for case_lens, kwargs in cases:
+        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_LOCALS", 1)
+        one = make_plan(case_lens, **kwargs)
+        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_LOCALS", locals_)
+        if chunked:
+            monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", 16)
+        for window in (1, 32) if chunked else (pagedattn.api._SCHEDULE_WINDOW,):
+            monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WINDOW", window)
+            several = make_plan(case_lens, **kwargs)
+            n = int(one.work_indptr[-1])
+            assert torch.equal(one.work_indptr, several.work_indptr)
+            assert torch.equal(one.works[:n], several.works[:n])
+            assert torch.equal(one.reduces, several.reduces)
+            check_matches_numpy(several, case_lens, kwargs["partition_size"])
+        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", block)
+
+
 def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, monkeypatch):
     """explicit num_programs > table row (nearest bucket) > default multiplier."""
     import pagedattn

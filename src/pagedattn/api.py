@@ -27,6 +27,7 @@ from .tuning.launch import (
     head_chunks,
     next_power_of_2,
     reduce_launch_config,
+    schedule_locals,
     schedule_warps,
     sm_count,
 )
@@ -41,6 +42,8 @@ _SCHEDULE_BLOCK = 2048
 # written straight from the registers that hold them (one global round trip fewer).
 _SCHEDULE_WINDOW = 32
 _SCHEDULE_WHOLE = 256
+# Decode programs per scheduler program (None: `schedule_locals`; tests and benchmarks set it).
+_SCHEDULE_LOCALS = None
 # Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
 # benchmarks set it).
 _SCHEDULE_WARPS = None
@@ -180,10 +183,20 @@ def plan_decode(
     else:
         plan = allocate_plan(**dict(zip(DecodePlan.SIZE_FIELDS, key)))
     block_b = min(_SCHEDULE_BLOCK, next_power_of_2(max(batch, 16)))
+    sms = sm_count(device)
+    locals_ = _SCHEDULE_LOCALS or schedule_locals(
+        batch=batch,
+        block_b=block_b,
+        num_programs=num_programs,
+        num_kv_heads=num_kv_heads,
+        sm_count=sms,
+    )
+    grid = num_programs // locals_
     _launch_schedule(
-        (num_programs,),
+        (grid,),
         (seq_lens, plan.metadata, batch, plan.max_works, plan.max_reduces),
-        (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION_SHIFT, BLOCK_B, SINGLE_BLOCK, WINDOW
+        (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION_SHIFT, BLOCK_B, SINGLE_BLOCK,
+            # WINDOW, LOCALS
             num_programs // num_kv_heads,
             num_programs,
             num_q_heads // num_kv_heads,
@@ -191,9 +204,10 @@ def plan_decode(
             block_b,
             batch <= block_b,
             0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW,
+            locals_,
         ),
         num_warps=_SCHEDULE_WARPS
-        or schedule_warps(block_b=block_b, num_programs=num_programs, sm_count=sm_count(device)),
+        or schedule_warps(block_b=block_b, num_programs=grid, sm_count=sms),
     )
     return plan
 

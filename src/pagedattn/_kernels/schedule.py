@@ -1,11 +1,12 @@
 """GPU scheduler: turns ``seq_lens`` into the persistent decode kernel's work list.
 
-One launch, ``num_programs`` programs, no host sync. Every program recomputes the same
-prefix sums over the batch (``tl.cumsum`` in chunks of ``BLOCK_B``) and then writes only
-its own works, so programs never wait for each other and the result is deterministic. The
-sequences a program touches are consecutive (``first_seq .. last_seq``), so with a large
-batch it writes them from a window of ``WINDOW`` sequences that it reloads, not from the
-whole batch (``WINDOW == 0``: straight from the registers, for a small single-block batch).
+One launch, ``num_programs / LOCALS`` programs, no host sync. Every scheduler program
+recomputes the same prefix sums over the batch (``tl.cumsum`` in chunks of ``BLOCK_B``) and
+then writes only the works of its ``LOCALS`` consecutive decode programs, so programs never
+wait for each other and the result is deterministic. The sequences a decode program touches
+are consecutive (``first_seq .. last_seq``), so with a large batch its works are written from
+a window of ``WINDOW`` sequences that is reloaded, not from the whole batch (``WINDOW == 0``:
+straight from the registers, for a small single-block batch).
 
 Model (per KV head; every head has the same structure, shifted):
   ``parts[b] = cdiv(seq_lens[b], partition)``; the ``total`` partitions of the batch are
@@ -40,6 +41,12 @@ AUTO_LARGE_SHIFT = tl.constexpr(8)
 
 
 @triton.jit
+def _cdiv_shift(x, shift):
+    # cdiv by a power of two given by its log2 (a runtime value: no integer division).
+    return (x + ((1 << shift) - 1)) >> shift
+
+
+@triton.jit
 def _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
     """log2 of the partition size picked from the lengths (see AUTO_SMALL)."""
     small = (2 * total_large <= PROGRAMS_PER_HEAD) & (max_len <= AUTO_SMALL_MAX_LEN)
@@ -47,33 +54,32 @@ def _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
 
 
 @triton.jit
-def _cdiv_shift(x, shift):
-    # cdiv by a power of two given by its log2 (a runtime value: no integer division).
-    return (x + ((1 << shift) - 1)) >> shift
-
-
-@triton.jit
 def _div_small(x, d, inv_d):
-    """``x // d`` for ``x >= 0``, ``d >= 1`` and a quotient below 2^20 (here at most the
-    program count): a float estimate, off by at most one, corrected each way. Replaces an
+    """``(x // d, x % d)`` for ``x >= 0``, ``d >= 1`` and a quotient below 2^20 (here at most
+    the program count): a float estimate, off by at most one, corrected each way. Replaces an
     integer division by a runtime value (a ~25-instruction sequence per element)."""
     q = (x.to(tl.float32) * inv_d).to(tl.int32)
-    q = tl.where(q * d > x, q - 1, q)
-    return tl.where((q + 1) * d <= x, q + 1, q)
+    r = x - q * d
+    q = tl.where(r < 0, q - 1, q)
+    r = tl.where(r < 0, r + d, r)
+    q = tl.where(r >= d, q + 1, q)
+    r = tl.where(r >= d, r - d, r)
+    return q, r
 
 
 @triton.jit
 def _program_of(x, base, rem):
-    # Inverse of start(i) = i * base + min(i, rem): which program owns partition x. The first
-    # rem programs hold base + 1 partitions, the rest base: one division, by the divisor of
-    # x's side (selected per element), not one per side.
+    """Inverse of start(i) = i * base + min(i, rem): the program ``i`` that owns partition
+    ``x``, ``x - start(i)``, and the program's partition count (``base + 1`` for the first
+    ``rem`` programs, else ``base``). One division, by the divisor of x's side (selected per
+    element), not one per side."""
     big = rem * (base + 1)
     head = x < big
     d = tl.where(head, base + 1, tl.maximum(base, 1))
     inv_head = 1.0 / (base + 1).to(tl.float32)
     inv_tail = 1.0 / tl.maximum(base, 1).to(tl.float32)
-    q = _div_small(tl.where(head, x, x - big), d, tl.where(head, inv_head, inv_tail))
-    return tl.where(head, q, rem + q)
+    q, r = _div_small(tl.where(head, x, x - big), d, tl.where(head, inv_head, inv_tail))
+    return tl.where(head, q, rem + q), r, d
 
 
 @triton.jit
@@ -83,72 +89,78 @@ def _start_of(i, base, rem):
 
 
 @triton.jit
-def _pack(hi, lo):
-    # Two non-negative int32 counts in one int64, so one scan serves both.
-    return (hi.to(tl.int64) << 32) | lo.to(tl.int64)
+def _pair(lo, hi):
+    # Two counts of one chunk (flags or small counts; each sum stays below 2^16) in one int32,
+    # so one sum or scan serves both.
+    return lo.to(tl.int32) + (hi.to(tl.int32) << 16)
 
 
 @triton.jit
-def _unpack(x):
-    return (x >> 32).to(tl.int32), (x & 0xFFFFFFFF).to(tl.int32)
-
-
-@triton.jit
-def _pack4(a, b, c, d):
-    # Four counts of one chunk (each <= BLOCK_B < 2^15) in one int64, so one sum serves four.
-    return (a.to(tl.int64) << 48) | (b.to(tl.int64) << 32) | (c.to(tl.int64) << 16) | d.to(tl.int64)
-
-
-@triton.jit
-def _unpack4(x):
-    return (
-        ((x >> 48) & 0xFFFF).to(tl.int32),
-        ((x >> 32) & 0xFFFF).to(tl.int32),
-        ((x >> 16) & 0xFFFF).to(tl.int32),
-        (x & 0xFFFF).to(tl.int32),
-    )
+def _split(x):
+    return x & 0xFFFF, x >> 16
 
 
 @triton.jit
 def _layout(lens, carry, base, rem, shift):
-    """Partitions of a chunk of sequences, where they sit, and the program of each first one."""
+    """Partitions of a chunk of sequences, where they sit, and per sequence the program that
+    owns its first partition, that partition's place in the program's range, and the range's
+    size (see _program_of)."""
     parts = _cdiv_shift(lens, shift)
     cum_incl = carry + tl.cumsum(parts, axis=0)
     cum_excl = cum_incl - parts
-    first = _program_of(cum_excl, base, rem)
-    return parts, cum_incl, cum_excl, first
+    first, offset, size = _program_of(cum_excl, base, rem)
+    return parts, cum_incl, cum_excl, first, offset, size
 
 
 @triton.jit
-def _counts(parts, cum_incl, cum_excl, first, base, rem, p_start, p_end):
-    """Per chunk, the counts a program needs to place its works, as two packed sums.
+def _counts(parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS: tl.constexpr):
+    """Per chunk, the counts that place the works of programs ``local0 .. local0 + LOCALS - 1``.
 
     Works and partials come from sequence counts and program boundaries, with one program
     lookup per sequence (its first partition's): a boundary ``start(j)``, ``0 < j <`` the
     count of non-empty programs, either begins a sequence or falls inside one, cutting it
-    once more. So before program ``local`` (the ``p_start`` below): works = non-empty
-    sequences that begin before ``p_start`` + interior boundaries ``j < local``; partials =
-    cut sequences that begin before it + the same interior boundaries; and likewise for the
-    totals. The caller turns the counts into those sums.
+    once more. So before program ``local`` (partition ``p = start(local)``): works = non-empty
+    sequences that begin before ``p`` + interior boundaries ``j < local``; partials = cut
+    sequences that begin before ``p`` + the same interior boundaries; and likewise for the
+    totals (the caller adds them up).
 
-    Returns ``(before, totals, parts_before)``: ``before`` packs (non-empty, cut, beginning at
-    a boundary) among the sequences that begin before ``p_start``, and the sequences that end
-    at or before it (the program's first sequence); ``totals`` packs the sequences that begin
-    before ``p_end`` (one past its last) and (non-empty, cut, beginning at a boundary) over the
-    chunk; ``parts_before`` is the partition where the program's first sequence begins (the
-    largest ``cum_incl <= p_start``; a maximum, not a sum, over chunks)."""
+    Returns, per program ``l`` (``[LOCALS]`` vectors; pairs packed by ``_pair``): among the
+    sequences that begin before its ``p``, the (non-empty, cut) ones and those beginning at a
+    boundary, paired with the sequences ending at or before ``p`` (its first sequence's
+    index); all that begin before ``p``; where its first sequence begins (the largest
+    ``cum_incl <= p``: a maximum, not a sum, over chunks). Then, over the chunk: the
+    sequences that begin before the last program's end paired with the non-empty ones, and
+    the (cut, boundary-beginning) ones."""
     nonempty = parts > 0
-    at_start = nonempty & (cum_excl > 0) & (_start_of(first, base, rem) == cum_excl)
-    cut = nonempty & (cum_incl > _start_of(first + 1, base, rem))
-    begins_before = cum_excl < p_start
-    done = cum_incl <= p_start
-    before = tl.sum(
-        _pack4(nonempty & begins_before, cut & begins_before, at_start & begins_before, done),
-        axis=0,
-    )
-    totals = tl.sum(_pack4(cum_excl < p_end, nonempty, cut, at_start), axis=0)
-    parts_before = tl.max(tl.where(done, cum_incl, 0), axis=0)
-    return before, totals, parts_before
+    at_start = nonempty & (cum_excl > 0) & (offset == 0)
+    cut = nonempty & (parts > size - offset)  # runs past the end of its first program
+    lanes = tl.arange(0, LOCALS)
+    nonempty_cut = tl.zeros([LOCALS], dtype=tl.int32)
+    at_start_done = tl.zeros([LOCALS], dtype=tl.int32)
+    begins_before = tl.zeros([LOCALS], dtype=tl.int32)
+    parts_before = tl.zeros([LOCALS], dtype=tl.int32)
+    for l in tl.static_range(LOCALS):
+        p = _start_of(local0 + l, base, rem)
+        begins = cum_excl < p
+        done = cum_incl <= p
+        lane = lanes == l
+        nc = tl.sum(_pair(nonempty & begins, cut & begins), axis=0)
+        nonempty_cut = tl.where(lane, nc, nonempty_cut)
+        ad = tl.sum(_pair(at_start & begins, done), axis=0)
+        at_start_done = tl.where(lane, ad, at_start_done)
+        begins_before = tl.where(lane, tl.sum(begins.to(tl.int32), axis=0), begins_before)
+        pb = tl.max(tl.where(done, cum_incl, 0), axis=0)
+        parts_before = tl.where(lane, pb, parts_before)
+    p_end = _start_of(local0 + LOCALS, base, rem)
+    end_nonempty = tl.sum(_pair(cum_excl < p_end, nonempty), axis=0)
+    cut_at_start = tl.sum(_pair(cut, at_start), axis=0)
+    return nonempty_cut, at_start_done, begins_before, parts_before, end_nonempty, cut_at_start
+
+
+@triton.jit
+def _pick(v, lanes, l: tl.constexpr):
+    # Element l of a small vector, as a scalar.
+    return tl.sum(tl.where(lanes == l, v, 0), axis=0)
 
 
 @triton.jit
@@ -161,8 +173,7 @@ def _write_works(
     cum_incl,
     cum_excl,
     first,
-    base,
-    rem,
+    last,
     pid,
     kv_head,
     local,
@@ -178,10 +189,9 @@ def _write_works(
 ):
     """Writes this program's works among a chunk of sequences (and the reduce record of a cut
     sequence it starts); returns the running counts of its works and cut works."""
-    last = _program_of(cum_incl - 1, base, rem)
     mine = (parts > 0) & (first <= local) & (last >= local)
     cut = mine & (last > first)
-    mine_scan, cut_scan = _unpack(tl.cumsum(_pack(mine, cut), axis=0))
+    mine_scan, cut_scan = _split(tl.cumsum(_pair(mine, cut), axis=0))
     idx = mine_carry + mine_scan - 1
     slot_idx = cut_carry + cut_scan - 1
     slot = tl.where(cut, slot_base + slot_idx, -1)
@@ -204,7 +214,7 @@ def _write_works(
     tl.store(red + 1, zero + kv_head, mask=starts_cut)
     tl.store(red + 2, slot, mask=starts_cut)
     tl.store(red + 3, last - first + 1, mask=starts_cut)
-    mine_total, cut_total = _unpack(tl.sum(_pack(mine, cut), axis=0))
+    mine_total, cut_total = _split(tl.sum(_pair(mine, cut), axis=0))
     return mine_carry + mine_total, cut_carry + cut_total
 
 
@@ -221,16 +231,19 @@ def _schedule_kernel(
     PARTITION_SHIFT: tl.constexpr,  # log2 of tokens per partition; 0: picked here (AUTO_*)
     BLOCK_B: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,  # batch <= BLOCK_B: one load, one pass, all in registers
-    WINDOW: tl.constexpr,  # sequences per step when writing this program's works (0: all)
+    WINDOW: tl.constexpr,  # sequences per step when writing a program's works (0: all)
+    LOCALS: tl.constexpr,  # decode programs served by one scheduler program (divides the head's)
 ):
     work_indptr_ptr = metadata_ptr
     works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
     reduces_ptr = works_ptr + max_works * 8
-    pid = tl.program_id(0)
-    kv_head = pid // PROGRAMS_PER_HEAD
-    local = pid % PROGRAMS_PER_HEAD
+    first_pid = tl.program_id(0) * LOCALS
+    kv_head = first_pid // PROGRAMS_PER_HEAD
+    local0 = first_pid % PROGRAMS_PER_HEAD
     offs = tl.arange(0, BLOCK_B)
+    lanes = tl.arange(0, LOCALS)
     zero = tl.sum(tl.zeros([BLOCK_B], dtype=tl.int32), axis=0)
+    tl.static_assert(BLOCK_B < 65536, "per-chunk counts are packed in 16 bits (_pair)")
 
     if SINGLE_BLOCK:
         lens = tl.load(seq_lens_ptr + offs, mask=offs < batch, other=0)
@@ -245,14 +258,14 @@ def _schedule_kernel(
         total = tl.sum(_cdiv_shift(lens, shift), axis=0)
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
-        p_start = _start_of(local, base, rem)
-        p_end = _start_of(local + 1, base, rem)
-        parts, cum_incl, cum_excl, first = _layout(lens, zero, base, rem, shift)
-        before, totals, parts_before = _counts(
-            parts, cum_incl, cum_excl, first, base, rem, p_start, p_end
+        parts, cum_incl, cum_excl, first, offset, size = _layout(lens, zero, base, rem, shift)
+        nc, ad, begins_before, parts_before, en, ca = _counts(
+            parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS
         )
-        nonempty_before, cut_before, at_start_before, first_seq = _unpack4(before)
-        end_seq, total_nonempty, total_cut, total_at_start = _unpack4(totals)
+        nonempty_before, cut_before = _split(nc)
+        at_start_before, first_seq = _split(ad)
+        last_end_seq, total_nonempty = _split(en)
+        total_cut, total_at_start = _split(ca)
     else:
         # -- pass 1: total partitions of one head --
         total = zero
@@ -273,104 +286,82 @@ def _schedule_kernel(
             shift = zero + PARTITION_SHIFT
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
-        p_start = _start_of(local, base, rem)
-        p_end = _start_of(local + 1, base, rem)
-        # -- pass 2: what lies before this program, and per-head totals --
-        first_seq = zero
-        end_seq = zero
-        parts_before = zero
-        nonempty_before = zero
-        cut_before = zero
-        at_start_before = zero
+        # -- pass 2: what lies before each of this scheduler's programs, and per-head totals --
+        nonempty_before = tl.zeros([LOCALS], dtype=tl.int32)
+        cut_before = tl.zeros([LOCALS], dtype=tl.int32)
+        at_start_before = tl.zeros([LOCALS], dtype=tl.int32)
+        first_seq = tl.zeros([LOCALS], dtype=tl.int32)
+        begins_before = tl.zeros([LOCALS], dtype=tl.int32)
+        parts_before = tl.zeros([LOCALS], dtype=tl.int32)
+        last_end_seq = zero
         total_nonempty = zero
         total_cut = zero
         total_at_start = zero
         carry = zero
         for b0 in range(0, batch, BLOCK_B):
             lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
-            parts, cum_incl, cum_excl, first = _layout(lens, carry, base, rem, shift)
+            parts, cum_incl, cum_excl, _, offset, size = _layout(lens, carry, base, rem, shift)
             carry += tl.sum(parts, axis=0)
-            before, totals, pb = _counts(
-                parts, cum_incl, cum_excl, first, base, rem, p_start, p_end
+            nc, ad, bb, pb, en, ca = _counts(
+                parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS
             )
-            ne_b, cut_b, as_b, fs = _unpack4(before)
-            es, ne_t, cut_t, as_t = _unpack4(totals)
+            ne_b, cut_b = _split(nc)
+            as_b, fs = _split(ad)
+            es, ne_t = _split(en)
+            cut_t, as_t = _split(ca)
             nonempty_before += ne_b
             cut_before += cut_b
             at_start_before += as_b
             first_seq += fs
-            end_seq += es
+            begins_before += bb
+            parts_before = tl.maximum(parts_before, pb)
+            last_end_seq += es
             total_nonempty += ne_t
             total_cut += cut_t
             total_at_start += as_t
-            parts_before = tl.maximum(parts_before, pb)
 
     # Boundaries between non-empty programs that fall inside a sequence (each cuts it once
-    # more), before this program and in all (see _counts).
+    # more), before each program and in all (see _counts).
     nonempty_programs = tl.where(base > 0, PROGRAMS_PER_HEAD, rem)
-    interior_before = tl.maximum(tl.minimum(local, nonempty_programs) - 1, 0) - at_start_before
     interior_total = tl.maximum(nonempty_programs - 1, 0) - total_at_start
-    works_before = nonempty_before + interior_before
-    partials_before = cut_before + interior_before
     total_works = total_nonempty + interior_total
     total_partials = total_cut + interior_total
-    work_base = kv_head * total_works + works_before
-    slot_base = kv_head * total_partials + partials_before
-    reduce_index = kv_head * total_cut + cut_before
-    tl.store(work_indptr_ptr + pid, work_base)
-    if pid == NUM_PROGRAMS - 1:
+    interior_before = (
+        tl.maximum(tl.minimum(local0 + lanes, nonempty_programs) - 1, 0) - at_start_before
+    )
+    work_bases = kv_head * total_works + nonempty_before + interior_before
+    slot_bases = kv_head * total_partials + cut_before + interior_before
+    reduce_indices = kv_head * total_cut + cut_before
+    tl.store(work_indptr_ptr + first_pid + lanes, work_bases)
+    if first_pid + LOCALS == NUM_PROGRAMS:
         tl.store(work_indptr_ptr + NUM_PROGRAMS, (kv_head + 1) * total_works)
         tl.store(reduces_ptr + max_reduces * 4, 1 << shift)  # the step's partition size
-
-    # -- write this program's works: sequences first_seq .. end_seq - 1, a window at a time --
     if WINDOW == 0:
         tl.static_assert(SINGLE_BLOCK, "WINDOW == 0 writes from the single block's registers")
-        _write_works(
-            works_ptr,
-            reduces_ptr,
-            offs,
-            lens,
-            parts,
-            cum_incl,
-            cum_excl,
-            first,
-            base,
-            rem,
-            pid,
-            kv_head,
-            local,
-            p_start,
-            p_end,
-            work_base,
-            slot_base,
-            reduce_index,
-            zero,
-            zero,
-            GROUP,
-            shift,
-        )
+        last, _, _ = _program_of(cum_incl - 1, base, rem)
     else:
         offs_w = tl.arange(0, WINDOW)
-        mine_carry = zero
-        cut_carry = zero
-        carry = parts_before
-        for w0 in range(first_seq, end_seq, WINDOW):
-            seq = w0 + offs_w
-            lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
-            parts_w, cum_incl_w, cum_excl_w, first_w = _layout(lens_w, carry, base, rem, shift)
-            carry += tl.sum(parts_w, axis=0)
-            mine_carry, cut_carry = _write_works(
+
+    # -- write each program's works: sequences first_seq .. end_seq - 1, a window at a time --
+    for l in tl.static_range(LOCALS):
+        local = local0 + l
+        p_start = _start_of(local, base, rem)
+        p_end = _start_of(local + 1, base, rem)
+        work_base = _pick(work_bases, lanes, l)
+        slot_base = _pick(slot_bases, lanes, l)
+        reduce_index = _pick(reduce_indices, lanes, l)
+        if WINDOW == 0:
+            _write_works(
                 works_ptr,
                 reduces_ptr,
-                seq,
-                lens_w,
-                parts_w,
-                cum_incl_w,
-                cum_excl_w,
-                first_w,
-                base,
-                rem,
-                pid,
+                offs,
+                lens,
+                parts,
+                cum_incl,
+                cum_excl,
+                first,
+                last,
+                first_pid + l,
                 kv_head,
                 local,
                 p_start,
@@ -378,15 +369,57 @@ def _schedule_kernel(
                 work_base,
                 slot_base,
                 reduce_index,
-                mine_carry,
-                cut_carry,
+                zero,
+                zero,
                 GROUP,
                 shift,
             )
+        else:
+            # One past the last sequence: those that begin before p_end, which is the next
+            # program's start.
+            if l + 1 < LOCALS:
+                end_seq = _pick(begins_before, lanes, l + 1)
+            else:
+                end_seq = last_end_seq
+            mine_carry = zero
+            cut_carry = zero
+            carry = _pick(parts_before, lanes, l)
+            for w0 in range(_pick(first_seq, lanes, l), end_seq, WINDOW):
+                seq = w0 + offs_w
+                lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
+                parts_w, cum_incl_w, cum_excl_w, first_w, _, _ = _layout(
+                    lens_w, carry, base, rem, shift
+                )
+                last_w, _, _ = _program_of(cum_incl_w - 1, base, rem)
+                carry += tl.sum(parts_w, axis=0)
+                mine_carry, cut_carry = _write_works(
+                    works_ptr,
+                    reduces_ptr,
+                    seq,
+                    lens_w,
+                    parts_w,
+                    cum_incl_w,
+                    cum_excl_w,
+                    first_w,
+                    last_w,
+                    first_pid + l,
+                    kv_head,
+                    local,
+                    p_start,
+                    p_end,
+                    work_base,
+                    slot_base,
+                    reduce_index,
+                    mine_carry,
+                    cut_carry,
+                    GROUP,
+                    shift,
+                )
 
     # -- clear the reduce records no sequence uses, so the reducer skips them --
     used = (NUM_PROGRAMS // PROGRAMS_PER_HEAD) * total_cut
-    for r0 in range(pid * BLOCK_B, max_reduces, NUM_PROGRAMS * BLOCK_B):
+    grid = NUM_PROGRAMS // LOCALS
+    for r0 in range(tl.program_id(0) * BLOCK_B, max_reduces, grid * BLOCK_B):
         r = r0 + offs
         unused = (r >= used) & (r < max_reduces)
         for f in tl.static_range(4):

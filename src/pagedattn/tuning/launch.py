@@ -144,13 +144,34 @@ def reduce_launch_config(
     return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
 
 
+def schedule_locals(
+    *, batch: int, block_b: int, num_programs: int, num_kv_heads: int, sm_count: int
+) -> int:
+    """Decode programs whose works one scheduler program writes. One, unless the batch is
+    scanned in chunks of ``block_b``; then as many (a power of two, at most 8, dividing the
+    programs of a kv head) as leave about two scheduler programs per SM: every scheduler
+    program scans the whole batch, so fewer of them do less of the same work, while each
+    writes the works of its decode programs one after the other. Measured on the H200
+    (benchmarks/NOTES.md, step 37), decode programs per scheduler program 1 / 2 / 4: batch
+    8192 at 528 decode programs 21.6 / 17.0 / 21.2 µs, at 264 13.1 / 15.3 / 22.5, at 132
+    11.1 / 15.7 / 23.5; one block (batch 1024 x 528) 4.9 / 5.0 / 6.2."""
+    if batch <= block_b:
+        return 1
+    per_head = num_programs // num_kv_heads
+    n = 1
+    while n < 8 and 4 * n * sm_count <= num_programs and per_head % (2 * n) == 0:
+        n *= 2
+    return n
+
+
 def schedule_warps(*, block_b: int, num_programs: int, sm_count: int) -> int:
     """Warps of a scheduler program holding ``block_b`` sequences at once. One warp up to 64
     (no cross-warp exchange); above, 4 up to 1024 sequences and 8 beyond, but no more than
-    about 8 warps per SM in all (every program scans the whole batch, so with 4 programs per
-    SM fewer warps each win). Measured on the H200 (benchmarks/NOTES.md, steps 26 and 35):
-    batch 8192 with 528 programs 33.2 µs at 8 warps, 27.0 at 2; batch 256 x 528 3.83 -> 3.53;
-    with 132 programs 8 warps stay the best at batch 8192 (14.7 vs 15.9 at 4)."""
+    about 8 warps per SM in all for ``num_programs`` scheduler programs (every program scans
+    the whole batch, so with 4 programs per SM fewer warps each win). Measured on the H200
+    (benchmarks/NOTES.md, steps 26 and 35): batch 8192 with 528 programs 33.2 µs at 8 warps,
+    27.0 at 2; batch 256 x 528 3.83 -> 3.53; with 132 programs 8 warps stay the best at batch
+    8192 (14.7 vs 15.9 at 4)."""
     if block_b <= 64:
         return 1
     by_size = 4 if block_b <= 1024 else 8
