@@ -97,8 +97,8 @@ def test_reduce_launch_config_rejects_bad_tiles(config):
         (64, 1024, 264, 256),  # 256 < 264 programs: cdiv(65536, 264) -> 256
         (1, 8192, 528, 256),  # at most 32 partitions per sequence
         (1, 32768, 528, 512),  # capped at 512
-        (16, 32768, 528, None),  # enough partitions of 256: the scheduler picks on the GPU
-        (128, 8192, 264, None),
+        (16, 32768, 528, 256),  # enough partitions of 256: the seed's default
+        (128, 8192, 264, 256),
         (3, None, 528, 256),  # no hint: the default
     ],
 )

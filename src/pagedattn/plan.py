@@ -242,22 +242,12 @@ def allocate_plan(
 def auto_partition_size(seq_lens, programs_per_head: int) -> int:
     """The partition size the scheduler picks when the plan leaves it open: 128 when
     256-token partitions would leave at least half the programs of a kv head idle and no
-    sequence exceeds 32 x 128 tokens; else the largest of 1024, 512 and 256 whose busiest
-    program holds no more tokens than with 256 (``size * cdiv(partitions, programs)``), so
-    that programs hold whole partitions, fewer works and fewer partials."""
+    sequence exceeds 32 x 128 tokens, else 256."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-
-    def partitions(size: int) -> int:
-        return int((-(-lens // size)).sum())
-
-    total_large = partitions(int(AUTO_LARGE.value))
+    total_large = int((-(-lens // AUTO_LARGE.value)).sum())
     longest = int(lens.max(initial=0))
     if 2 * total_large <= programs_per_head and longest <= AUTO_SMALL_MAX_LEN.value:
         return int(AUTO_SMALL.value)
-    busiest = -(-total_large // programs_per_head)
-    for size in (1024, 512):
-        if size // 256 * -(-partitions(size) // programs_per_head) <= busiest:
-            return size
     return int(AUTO_LARGE.value)
 
 

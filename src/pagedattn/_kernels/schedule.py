@@ -32,9 +32,7 @@ import triton.language as tl
 # Partition sizes the scheduler picks between when the planner leaves it the choice
 # (PARTITION_SHIFT == 0): the small one when 256-token partitions would leave at least half
 # the programs of a kv head idle and no sequence would be cut into more than 32 of them;
-# else the largest of 256, 512 and 1024 whose busiest program holds no more tokens than with
-# 256 (``size * cdiv(partitions, programs)``): fewer, whole-partition works (NOTES.md, steps
-# 22, 28 and 39). ``plan.auto_partition_size`` is the host twin.
+# else 256 (NOTES.md, steps 22 and 28).
 AUTO_SMALL = tl.constexpr(128)
 AUTO_LARGE = tl.constexpr(256)
 AUTO_SMALL_MAX_LEN = tl.constexpr(32 * 128)
@@ -49,14 +47,10 @@ def _cdiv_shift(x, shift):
 
 
 @triton.jit
-def _auto_shift(t256, t512, t1024, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
-    """log2 of the partition size picked from the lengths (see AUTO_SMALL), given the
-    partitions of 256, 512 and 1024 tokens over the batch and the longest sequence."""
-    small = (2 * t256 <= PROGRAMS_PER_HEAD) & (max_len <= AUTO_SMALL_MAX_LEN)
-    busiest = tl.cdiv(t256, PROGRAMS_PER_HEAD)  # partitions of 256 on the busiest program
-    shift = tl.where(2 * tl.cdiv(t512, PROGRAMS_PER_HEAD) <= busiest, 9, AUTO_LARGE_SHIFT)
-    shift = tl.where(4 * tl.cdiv(t1024, PROGRAMS_PER_HEAD) <= busiest, 10, shift)
-    return tl.where(small, AUTO_SMALL_SHIFT, shift)
+def _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
+    """log2 of the partition size picked from the lengths (see AUTO_SMALL)."""
+    small = (2 * total_large <= PROGRAMS_PER_HEAD) & (max_len <= AUTO_SMALL_MAX_LEN)
+    return tl.where(small, AUTO_SMALL_SHIFT, AUTO_LARGE_SHIFT)
 
 
 @triton.jit
@@ -255,9 +249,7 @@ def _schedule_kernel(
         lens = tl.load(seq_lens_ptr + offs, mask=offs < batch, other=0)
         if PARTITION_SHIFT == 0:
             shift = _auto_shift(
-                tl.sum(tl.cdiv(lens, 256), axis=0),
-                tl.sum(tl.cdiv(lens, 512), axis=0),
-                tl.sum(tl.cdiv(lens, 1024), axis=0),
+                tl.sum(tl.cdiv(lens, AUTO_LARGE), axis=0),
                 tl.max(lens, axis=0),
                 PROGRAMS_PER_HEAD,
             )
@@ -277,25 +269,19 @@ def _schedule_kernel(
     else:
         # -- pass 1: total partitions of one head --
         total = zero
-        t256 = zero
-        t512 = zero
-        t1024 = zero
+        total_large = zero
         max_len = zero
         for b0 in range(0, batch, BLOCK_B):
             lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
             if PARTITION_SHIFT == 0:
                 total += tl.sum(tl.cdiv(lens, AUTO_SMALL), axis=0)
-                t256 += tl.sum(tl.cdiv(lens, 256), axis=0)
-                t512 += tl.sum(tl.cdiv(lens, 512), axis=0)
-                t1024 += tl.sum(tl.cdiv(lens, 1024), axis=0)
+                total_large += tl.sum(tl.cdiv(lens, AUTO_LARGE), axis=0)
                 max_len = tl.maximum(max_len, tl.max(lens, axis=0))
             else:
                 total += tl.sum(_cdiv_shift(lens, PARTITION_SHIFT), axis=0)
         if PARTITION_SHIFT == 0:
-            shift = _auto_shift(t256, t512, t1024, max_len, PROGRAMS_PER_HEAD)
-            total = tl.where(shift == 8, t256, total)
-            total = tl.where(shift == 9, t512, total)
-            total = tl.where(shift == 10, t1024, total)
+            shift = _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD)
+            total = tl.where(shift == AUTO_LARGE_SHIFT, total_large, total)
         else:
             shift = zero + PARTITION_SHIFT
         base = total // PROGRAMS_PER_HEAD

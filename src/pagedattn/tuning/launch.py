@@ -85,18 +85,17 @@ def decode_launch_config(
     return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages)
 
 
-def default_partition(*, batch: int, max_seq_len: int | None, programs_per_head: int) -> int | None:
-    """Tokens per partition, from the host-side ``max_seq_len`` hint. When 256-token
-    partitions would leave programs idle (``batch * cdiv(max_seq_len, 256) <
-    programs_per_head``): about one partition per program, but at most 32 per sequence, as a
-    power of two in 64..512. Measured on the H200 (benchmarks/NOTES.md, step 22): 1 x 1024
-    decode 11.3 -> 8.1 µs (64 tokens), 64 x 1024 14.4 -> 13.0 (128), 1 x 32768 21.0 -> 20.0
-    (512). Otherwise None: the scheduler picks 256, 512 or 1024 on the GPU from the lengths
-    (``pagedattn.plan.auto_partition_size``). Without the hint: the seed's 256."""
+def default_partition(*, batch: int, max_seq_len: int | None, programs_per_head: int) -> int:
+    """Tokens per partition. The seed's 256, unless the host-side ``max_seq_len`` hint shows
+    that 256-token partitions would leave programs idle (``batch * cdiv(max_seq_len, 256) <
+    programs_per_head``): then about one partition per program, but at most 32 per sequence,
+    as a power of two in 64..512. Measured on the H200 (benchmarks/NOTES.md, step 22): 1 x
+    1024 decode 11.3 -> 8.1 µs (64 tokens), 64 x 1024 14.4 -> 13.0 (128), 1 x 32768 21.0 ->
+    20.0 (512)."""
     if max_seq_len is None:
         return DEFAULT_PARTITION
     if batch * -(-max_seq_len // DEFAULT_PARTITION) >= programs_per_head:
-        return None
+        return DEFAULT_PARTITION
     want = max(-(-max_seq_len // 32), -(-batch * max_seq_len // programs_per_head))
     return min(max(next_power_of_2(want), 64), 512)
 
