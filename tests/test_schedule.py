@@ -305,6 +305,14 @@ def test_scheduler_programs_serving_several_decode_programs(locals_, chunked, mo
         monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", block)
 
 
+def test_scheduler_locals_must_divide_the_programs_of_a_head(monkeypatch):
+    import pagedattn.api
+
+    monkeypatch.setattr(pagedattn.api, "_SCHEDULE_LOCALS", 3)
+    with pytest.raises(ValueError, match="must divide the programs per kv head"):
+        make_plan([5, 9], num_kv_heads=2, group=1, num_programs=8, partition_size=16)
+
+
 def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, monkeypatch):
     """explicit num_programs > table row (nearest bucket) > default multiplier."""
     import pagedattn

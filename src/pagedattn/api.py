@@ -191,6 +191,11 @@ def plan_decode(
         num_kv_heads=num_kv_heads,
         sm_count=sms,
     )
+    if (num_programs // num_kv_heads) % locals_:
+        raise ValueError(
+            f"_SCHEDULE_LOCALS={locals_} must divide the programs per kv head "
+            f"({num_programs // num_kv_heads})"
+        )
     grid = num_programs // locals_
     _launch_schedule(
         (grid,),
