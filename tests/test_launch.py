@@ -154,16 +154,21 @@ def test_schedule_warps(block_b, num_programs, expected):
 @pytest.mark.parametrize(
     "num_programs, num_kv_heads, expected",
     [
-        (132, 1, 1),  # one decode program per SM: one scheduler program each
-        (264, 1, 2),
-        (528, 1, 4),  # about one scheduler program per SM
-        (528, 8, 2),  # 66 programs a head: 4 does not divide it
-        (396, 1, 2),  # 3 per SM: the power of two below
-        (2112, 1, 8),  # capped at 8
+        (132, 1, 1),  # up to two decode programs per SM: one scheduler program each
+        (264, 1, 1),
+        (528, 1, 2),  # about two scheduler programs per SM
+        (1056, 1, 4),
+        (1056, 8, 4),
+        (1056, 48, 2),  # 22 programs a head: 4 does not divide it
+        (792, 1, 2),  # 6 per SM: the power of two below 3
+        (4224, 1, 8),  # capped at 8
         (7, 1, 1),
     ],
 )
 def test_schedule_locals(num_programs, num_kv_heads, expected):
-    got = schedule_locals(num_programs=num_programs, num_kv_heads=num_kv_heads, sm_count=132)
+    kw = dict(num_programs=num_programs, num_kv_heads=num_kv_heads, sm_count=132)
+    got = schedule_locals(batch=8192, block_b=2048, **kw)
     assert got == expected
     assert (num_programs // num_kv_heads) % got == 0
+    # a batch scanned in one block: one scheduler program per decode program
+    assert schedule_locals(batch=2048, block_b=2048, **kw) == 1

@@ -170,7 +170,6 @@ def test_scheduler_picks_the_partition_size(lens, num_programs, expected):
         (1, 528 if ON_GPU else 64),
         (8192, 528 if ON_GPU else 8),
         (1500, 132) if ON_GPU else (300, 33),
-        (1024, 528) if ON_GPU else (300, 32),  # several decode programs per scheduler program
     ],
 )
 def test_plan_sizes_at_the_limits(batch, num_programs):
@@ -276,11 +275,9 @@ def test_chunked_scan_matches_single_block(window, monkeypatch):
 @pytest.mark.parametrize("locals_", [2, 4])
 def test_scheduler_programs_serving_several_decode_programs(locals_, chunked, monkeypatch):
     """One scheduler program writes the works of 2 or 4 consecutive decode programs: the same
-    plan as one scheduler program per decode program, from a single block or in chunks, a
-    window of 1 or 32 sequences at a time, including empty sequences and idle programs."""
+    plan as one scheduler program per decode program, from a single block or in chunks,
+    with a window or from the registers, including empty sequences and idle programs."""
     import pagedattn.api
-
-    monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WHOLE", 0)  # several programs need windows
 
     rng = np.random.default_rng(11)
     lens = rng.integers(0, 700, size=45)
@@ -297,7 +294,7 @@ def test_scheduler_programs_serving_several_decode_programs(locals_, chunked, mo
         monkeypatch.setattr(pagedattn.api, "_SCHEDULE_LOCALS", locals_)
         if chunked:
             monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", 16)
-        for window in (1, 32):
+        for window in (1, 32) if chunked else (pagedattn.api._SCHEDULE_WINDOW,):
             monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WINDOW", window)
             several = make_plan(case_lens, **kwargs)
             n = int(one.work_indptr[-1])
@@ -312,7 +309,6 @@ def test_scheduler_locals_must_divide_the_programs_of_a_head(monkeypatch):
     import pagedattn.api
 
     monkeypatch.setattr(pagedattn.api, "_SCHEDULE_LOCALS", 3)
-    monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WHOLE", 0)  # works written from a window
     with pytest.raises(ValueError, match="must divide the programs per kv head"):
         make_plan([5, 9], num_kv_heads=2, group=1, num_programs=8, partition_size=16)
 

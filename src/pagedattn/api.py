@@ -42,8 +42,7 @@ _SCHEDULE_BLOCK = 2048
 # written straight from the registers that hold them (one global round trip fewer).
 _SCHEDULE_WINDOW = 32
 _SCHEDULE_WHOLE = 256
-# Decode programs per scheduler program when works are written from a window (None:
-# `schedule_locals`; tests and benchmarks set it); works written from the registers: one.
+# Decode programs per scheduler program (None: `schedule_locals`; tests and benchmarks set it).
 _SCHEDULE_LOCALS = None
 # Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
 # benchmarks set it).
@@ -185,12 +184,13 @@ def plan_decode(
         plan = allocate_plan(**dict(zip(DecodePlan.SIZE_FIELDS, key)))
     block_b = min(_SCHEDULE_BLOCK, next_power_of_2(max(batch, 16)))
     sms = sm_count(device)
-    window = 0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW
-    locals_ = 1
-    if window:  # works written from the registers serve one decode program
-        locals_ = _SCHEDULE_LOCALS or schedule_locals(
-            num_programs=num_programs, num_kv_heads=num_kv_heads, sm_count=sms
-        )
+    locals_ = _SCHEDULE_LOCALS or schedule_locals(
+        batch=batch,
+        block_b=block_b,
+        num_programs=num_programs,
+        num_kv_heads=num_kv_heads,
+        sm_count=sms,
+    )
     if (num_programs // num_kv_heads) % locals_:
         raise ValueError(
             f"_SCHEDULE_LOCALS={locals_} must divide the programs per kv head "
@@ -208,7 +208,7 @@ def plan_decode(
             (partition_size or 1).bit_length() - 1,  # 0: the scheduler picks it
             block_b,
             batch <= block_b,
-            window,
+            0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW,
             locals_,
         ),
         num_warps=_SCHEDULE_WARPS

@@ -187,13 +187,11 @@ def _write_works(
     GROUP: tl.constexpr,
     shift,  # log2 of the partition size
 ):
-    """Writes the works of decode programs among chunks of sequences (and the reduce record
-    of a cut sequence a program starts): one row per program, ``[rows, chunk]`` sequence
-    tensors with ``[rows, 1]`` (or scalar) program values. Returns the running counts of each
-    row's works and cut works, ``[rows, 1]``."""
+    """Writes this program's works among a chunk of sequences (and the reduce record of a cut
+    sequence it starts); returns the running counts of its works and cut works."""
     mine = (parts > 0) & (first <= local) & (last >= local)
     cut = mine & (last > first)
-    mine_scan, cut_scan = _split(tl.cumsum(_pair(mine, cut), axis=1))
+    mine_scan, cut_scan = _split(tl.cumsum(_pair(mine, cut), axis=0))
     idx = mine_carry + mine_scan - 1
     slot_idx = cut_carry + cut_scan - 1
     slot = tl.where(cut, slot_base + slot_idx, -1)
@@ -216,7 +214,7 @@ def _write_works(
     tl.store(red + 1, zero + kv_head, mask=starts_cut)
     tl.store(red + 2, slot, mask=starts_cut)
     tl.store(red + 3, last - first + 1, mask=starts_cut)
-    mine_total, cut_total = _split(tl.sum(_pair(mine, cut), axis=1, keep_dims=True))
+    mine_total, cut_total = _split(tl.sum(_pair(mine, cut), axis=0))
     return mine_carry + mine_total, cut_carry + cut_total
 
 
@@ -338,83 +336,85 @@ def _schedule_kernel(
     if first_pid + LOCALS == NUM_PROGRAMS:
         tl.store(work_indptr_ptr + NUM_PROGRAMS, (kv_head + 1) * total_works)
         tl.store(reduces_ptr + max_reduces * 4, 1 << shift)  # the step's partition size
-    # -- write each program's works: sequences first_seq .. end_seq - 1 (one row each) --
     if WINDOW == 0:
         tl.static_assert(SINGLE_BLOCK, "WINDOW == 0 writes from the single block's registers")
-        tl.static_assert(LOCALS == 1, "WINDOW == 0 writes one program's works")
         last, _, _ = _program_of(cum_incl - 1, base, rem)
-        _write_works(
-            works_ptr,
-            reduces_ptr,
-            offs[None, :],
-            lens[None, :],
-            parts[None, :],
-            cum_incl[None, :],
-            cum_excl[None, :],
-            first[None, :],
-            last[None, :],
-            first_pid,
-            kv_head,
-            local0,
-            _start_of(local0, base, rem),
-            _start_of(local0 + 1, base, rem),
-            _pick(work_bases, lanes, 0),
-            _pick(slot_bases, lanes, 0),
-            _pick(reduce_indices, lanes, 0),
-            zero,
-            zero,
-            GROUP,
-            shift,
-        )
     else:
-        # All of this scheduler's programs at once, a window of WINDOW sequences per row and
-        # step. One past a program's last sequence: those that begin before its end, which
-        # is the next program's start (for the last one, the count over the batch).
-        next_lane = lanes[None, :] == lanes[:, None] + 1
-        end_seq = tl.sum(tl.where(next_lane, begins_before[None, :], 0), axis=1)
-        end_seq = tl.where(lanes == LOCALS - 1, last_end_seq, end_seq)
-        local = (local0 + lanes)[:, None]
+        offs_w = tl.arange(0, WINDOW)
+
+    # -- write each program's works: sequences first_seq .. end_seq - 1, a window at a time --
+    for l in tl.static_range(LOCALS):
+        local = local0 + l
         p_start = _start_of(local, base, rem)
         p_end = _start_of(local + 1, base, rem)
-        first_row = first_seq[:, None]
-        end_row = end_seq[:, None]
-        carry = parts_before[:, None]
-        mine_carry = tl.zeros([LOCALS, 1], dtype=tl.int32)
-        cut_carry = tl.zeros([LOCALS, 1], dtype=tl.int32)
-        offs_w = tl.arange(0, WINDOW)[None, :]
-        span = tl.max(end_seq - first_seq, axis=0)
-        for w0 in range(0, span, WINDOW):
-            seq = first_row + w0 + offs_w
-            lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_row, other=0)
-            parts_w = _cdiv_shift(lens_w, shift)
-            cum_incl_w = carry + tl.cumsum(parts_w, axis=1)
-            cum_excl_w = cum_incl_w - parts_w
-            first_w, _, _ = _program_of(cum_excl_w, base, rem)
-            last_w, _, _ = _program_of(cum_incl_w - 1, base, rem)
-            carry += tl.sum(parts_w, axis=1, keep_dims=True)
-            mine_carry, cut_carry = _write_works(
+        work_base = _pick(work_bases, lanes, l)
+        slot_base = _pick(slot_bases, lanes, l)
+        reduce_index = _pick(reduce_indices, lanes, l)
+        if WINDOW == 0:
+            _write_works(
                 works_ptr,
                 reduces_ptr,
-                seq,
-                lens_w,
-                parts_w,
-                cum_incl_w,
-                cum_excl_w,
-                first_w,
-                last_w,
-                first_pid + lanes[:, None],
+                offs,
+                lens,
+                parts,
+                cum_incl,
+                cum_excl,
+                first,
+                last,
+                first_pid + l,
                 kv_head,
                 local,
                 p_start,
                 p_end,
-                work_bases[:, None],
-                slot_bases[:, None],
-                reduce_indices[:, None],
-                mine_carry,
-                cut_carry,
+                work_base,
+                slot_base,
+                reduce_index,
+                zero,
+                zero,
                 GROUP,
                 shift,
             )
+        else:
+            # One past the last sequence: those that begin before p_end, which is the next
+            # program's start.
+            if l + 1 < LOCALS:
+                end_seq = _pick(begins_before, lanes, l + 1)
+            else:
+                end_seq = last_end_seq
+            mine_carry = zero
+            cut_carry = zero
+            carry = _pick(parts_before, lanes, l)
+            for w0 in range(_pick(first_seq, lanes, l), end_seq, WINDOW):
+                seq = w0 + offs_w
+                lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
+                parts_w, cum_incl_w, cum_excl_w, first_w, _, _ = _layout(
+                    lens_w, carry, base, rem, shift
+                )
+                last_w, _, _ = _program_of(cum_incl_w - 1, base, rem)
+                carry += tl.sum(parts_w, axis=0)
+                mine_carry, cut_carry = _write_works(
+                    works_ptr,
+                    reduces_ptr,
+                    seq,
+                    lens_w,
+                    parts_w,
+                    cum_incl_w,
+                    cum_excl_w,
+                    first_w,
+                    last_w,
+                    first_pid + l,
+                    kv_head,
+                    local,
+                    p_start,
+                    p_end,
+                    work_base,
+                    slot_base,
+                    reduce_index,
+                    mine_carry,
+                    cut_carry,
+                    GROUP,
+                    shift,
+                )
 
     # -- clear the reduce records no sequence uses, so the reducer skips them --
     used = (NUM_PROGRAMS // PROGRAMS_PER_HEAD) * total_cut

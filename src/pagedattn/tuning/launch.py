@@ -144,15 +144,22 @@ def reduce_launch_config(
     return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
 
 
-def schedule_locals(*, num_programs: int, num_kv_heads: int, sm_count: int) -> int:
-    """Decode programs whose works one scheduler program writes (when it writes them from a
-    window of sequences): about one scheduler program per SM, as a power of two of at most 8
-    that divides the programs of a kv head. Every scheduler program scans the whole batch, so
-    fewer of them do less of the same work; each writes the works of its decode programs
-    side by side, one row each (benchmarks/NOTES.md, step 42)."""
+def schedule_locals(
+    *, batch: int, block_b: int, num_programs: int, num_kv_heads: int, sm_count: int
+) -> int:
+    """Decode programs whose works one scheduler program writes. One, unless the batch is
+    scanned in chunks of ``block_b``; then as many (a power of two, at most 8, dividing the
+    programs of a kv head) as leave about two scheduler programs per SM: every scheduler
+    program scans the whole batch, so fewer of them do less of the same work, while each
+    writes the works of its decode programs one after the other. Measured on the H200
+    (benchmarks/NOTES.md, step 37), decode programs per scheduler program 1 / 2 / 4: batch
+    8192 at 528 decode programs 21.6 / 17.0 / 21.2 µs, at 264 13.1 / 15.3 / 22.5, at 132
+    11.1 / 15.7 / 23.5; one block (batch 1024 x 528) 4.9 / 5.0 / 6.2."""
+    if batch <= block_b:
+        return 1
     per_head = num_programs // num_kv_heads
     n = 1
-    while n < 8 and 2 * n * sm_count <= num_programs and per_head % (2 * n) == 0:
+    while n < 8 and 4 * n * sm_count <= num_programs and per_head % (2 * n) == 0:
         n *= 2
     return n
 
