@@ -85,6 +85,18 @@ class Case:
             return [self.context] * self.batch
         return ragged_lengths(self.batch, *self.ragged, seed=self.seed)
 
+    def plan_kwargs(self) -> dict:
+        """The step's shape as ``pagedattn.plan_decode`` keywords (default grid and partition)."""
+        return dict(
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            query_len=self.query_len,
+            kv_dtype=KV_DTYPES[self.kv_dtype],
+            kv_scale=self.kv_scale,
+        )
+
     @property
     def label(self) -> str:
         """``batch x context`` (``64 x 256..32768`` for a ragged batch)."""

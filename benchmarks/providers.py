@@ -127,15 +127,7 @@ class PagedAttnProvider(Provider):
 
     def prepare(self, inputs: Inputs) -> Prepared:
         case = inputs.case
-        plan_args = dict(
-            num_q_heads=case.num_q_heads,
-            num_kv_heads=case.num_kv_heads,
-            head_dim=case.head_dim,
-            page_size=case.page_size,
-            query_len=case.query_len,
-            kv_dtype=KV_DTYPES[case.kv_dtype],
-            kv_scale=case.kv_scale,
-        )
+        plan_args = case.plan_kwargs()
         if self.tuned:
             plan_args["max_seq_len"] = max(case.seq_lens())
         seq_lens, q, table = inputs.seq_lens, inputs.q, inputs.block_table

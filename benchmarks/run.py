@@ -91,27 +91,13 @@ def make_cache(case: Case, device: torch.device, generator: torch.Generator | No
 
 def fixed_plan_call(case: Case, generator: torch.Generator) -> tuple:
     """One decode step of ``case`` on the GPU, for the narrow tools (reducer bench, trace):
-    a random cache and bf16 query, the default plan made once. Returns ``(plan, args, kw)``
-    such that ``pagedattn.paged_decode(*args, **kw)`` runs the step with that plan."""
+    a random cache and query (the case's dtype, bf16 by default), the default plan made once.
+    Returns ``(plan, args, kw)`` such that ``pagedattn.paged_decode(*args, **kw)`` runs the
+    step with that plan."""
     device = torch.device("cuda")
     cache = make_cache(case, device, generator)
-    q = torch.randn(
-        case.batch * case.query_len,
-        case.num_q_heads,
-        case.head_dim,
-        generator=generator,
-        device=device,
-    ).to(torch.bfloat16)
-    plan = pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=case.num_q_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim,
-        page_size=case.page_size,
-        query_len=case.query_len,
-        kv_dtype=KV_DTYPES[case.kv_dtype],
-        kv_scale=case.kv_scale,
-    )
+    q = make_query(case, device, generator)
+    plan = pagedattn.plan_decode(cache.seq_lens, **case.plan_kwargs())
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     return plan, args, dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
 
@@ -136,18 +122,21 @@ def cache_tensor_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def make_inputs(case: Case, cache, copies: list[KVCopy], generator=None) -> Inputs:
-    device = cache.k_cache.device
-    q = torch.randn(
+def make_query(case: Case, device, generator=None) -> torch.Tensor:
+    """A random query of the case's shape and dtype, ``[batch * query_len, heads, head_dim]``."""
+    return torch.randn(
         case.batch * case.query_len,
         case.num_q_heads,
         case.head_dim,
         generator=generator,
         device=device,
     ).to(Q_DTYPES[case.q_dtype])
+
+
+def make_inputs(case: Case, cache, copies: list[KVCopy], generator=None) -> Inputs:
     return Inputs(
         case=case,
-        q=q,
+        q=make_query(case, cache.k_cache.device, generator),
         block_table=cache.block_table,
         seq_lens=cache.seq_lens,
         copies=copies,
