@@ -109,6 +109,15 @@ def check_matches_numpy(plan, lens, partition_size):
     assert plan.step_partition_size() == (partition_size or auto_partition_size(lens, per_head))
 
 
+def assert_same_plan(a, b):
+    """Two plans hold the same work list and reduce maps (rows past the last work are
+    undefined, so not compared)."""
+    n = int(a.work_indptr[-1])
+    assert torch.equal(a.work_indptr, b.work_indptr)
+    assert torch.equal(a.works[:n], b.works[:n])
+    assert torch.equal(a.reduces, b.reduces)
+
+
 @st.composite
 def batches(draw):
     partition_size = draw(st.sampled_from([16, 64, 256]))
@@ -264,10 +273,7 @@ def test_chunked_scan_matches_single_block(window, monkeypatch):
     monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", 16)
     monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WINDOW", window)
     chunked = make_plan(lens, **kwargs)
-    n = int(single.work_indptr[-1])
-    assert torch.equal(single.work_indptr, chunked.work_indptr)
-    assert torch.equal(single.works[:n], chunked.works[:n])
-    assert torch.equal(single.reduces, chunked.reduces)
+    assert_same_plan(single, chunked)
     check_matches_numpy(chunked, lens, 64)
 
 
@@ -297,10 +303,7 @@ def test_scheduler_programs_serving_several_decode_programs(locals_, chunked, mo
         for window in (1, 32) if chunked else (pagedattn.api._SCHEDULE_WINDOW,):
             monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WINDOW", window)
             several = make_plan(case_lens, **kwargs)
-            n = int(one.work_indptr[-1])
-            assert torch.equal(one.work_indptr, several.work_indptr)
-            assert torch.equal(one.works[:n], several.works[:n])
-            assert torch.equal(one.reduces, several.reduces)
+            assert_same_plan(one, several)
             check_matches_numpy(several, case_lens, kwargs["partition_size"])
         monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", block)
 
