@@ -54,18 +54,10 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16"])
     parser.add_argument(
         "--reduce",
-        default="fused",
-        help="how split sequences are merged, ';'-separated: fused (by the decode kernel), "
-        "auto (the split reducer, default tile) or the split reducer's "
+        default="auto",
+        help="reducer tiles, ';'-separated: auto (the default heuristic) or "
         "block_r:block_d:slot_block:stages:warps",
     )
-    parser.add_argument(
-        "--merge-elements",
-        default="",
-        help="partial elements per step of the fused merge, e.g. 2048,4096 (default: the "
-        "library's)",
-    )
-    parser.add_argument("--merge-stages", default="1", help="pipelining of the fused merge")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -99,10 +91,7 @@ def main() -> None:
             if args.programs
             else [sms * int(x) for x in args.mults.split(",")]
         )
-        merges = [int(x) for x in args.merge_elements.split(",")] if args.merge_elements else [0]
-        grid_of_configs = itertools.product(
-            [int(x) for x in args.merge_stages.split(",")],
-            merges,
+        for flags, programs, bn, warps, pf, st, regs, chunk, red, part in itertools.product(
             args.flags.split(","),
             grids,
             [int(x) for x in args.block_n.split(",")],
@@ -113,24 +102,7 @@ def main() -> None:
             [int(x) for x in args.chunk.split(",")],
             args.reduce.split(";"),
             [int(x) for x in args.partition.split(",")],
-        )
-        for (
-            mstages,
-            merge,
-            flags,
-            programs,
-            bn,
-            warps,
-            pf,
-            st,
-            regs,
-            chunk,
-            red,
-            part,
-        ) in grid_of_configs:
-            if merge:
-                pagedattn.api._MERGE_ELEMENTS = merge
-            pagedattn.api._MERGE_STAGES = mstages
+        ):
             plan = pagedattn.plan_decode(
                 cache.seq_lens,
                 num_q_heads=16,
@@ -152,9 +124,8 @@ def main() -> None:
                 qk_fp16=flags[1] == "1",
                 head_chunk=chunk,
                 maxnreg=regs or None,
-                fused_reduce=red == "fused",
                 reduce=None
-                if red in ("fused", "auto")
+                if red == "auto"
                 else ReduceLaunchConfig(*(int(x) for x in red.split(":"))),
             )
             step = functools.partial(pagedattn.paged_decode, *a, plan=plan, launch_config=cfg, **kw)
@@ -176,7 +147,7 @@ def main() -> None:
                 st,
                 regs,
                 chunk,
-                red if red != "fused" else f"fused/{merge or 'default'}/{mstages}",
+                red,
                 part,
                 ms * 1e3,
                 gbps,

@@ -47,10 +47,6 @@ _SCHEDULE_LOCALS = None
 # Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
 # benchmarks set it).
 _SCHEDULE_WARPS = None
-# Partial elements per step of the decode kernel's fused merge (a head_dim chunk of the rows
-# times whole partials; benchmarks set it).
-_MERGE_ELEMENTS = 4096
-_MERGE_STAGES = 1  # > 1: the merge's loop is pipelined (benchmarks set it)
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -203,7 +199,7 @@ def plan_decode(
     grid = num_programs // locals_
     _launch_schedule(
         (grid,),
-        (seq_lens, plan.metadata, batch, plan.max_works, plan.max_partials, plan.max_reduces),
+        (seq_lens, plan.metadata, batch, plan.max_works, plan.max_reduces),
         (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION_SHIFT, BLOCK_B, SINGLE_BLOCK,
             # WINDOW, LOCALS
             num_programs // num_kv_heads,
@@ -411,7 +407,6 @@ def paged_decode(
             shape.head_dim // chunks,
         )
     k_desc, v_desc = descriptors or (k_cache, v_cache)
-    fused = config.fused_reduce and plan.max_reduces > 0
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
     lse_stride = lse.stride(0) if lse is not None else 0
     # Without scales the kernel never reads these pointers; any tensor will do.
@@ -435,9 +430,6 @@ def paged_decode(
         seq_lens,
         plan.metadata,
         plan.works_offset,
-        plan.reduces_offset,
-        plan.slot_reduces_offset,
-        plan.arrivals_offset,
         out,
         out.stride(0),
         out.stride(1),
@@ -465,16 +457,12 @@ def paged_decode(
         UNMASKED_LOOP=config.unmasked_loop,
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
-        FUSED_REDUCE=fused,
-        MERGE_SLOTS=max(1, _MERGE_ELEMENTS // (block_m * shape.head_dim // chunks)),
-        MERGE_STAGES=_MERGE_STAGES,
         TRACE=_trace is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
-    if not fused:
-        reduce_partials(plan, out, lse, config.reduce)
+    reduce_partials(plan, out, lse, config.reduce)
     return (out, lse) if return_lse else out
 
 

@@ -20,16 +20,8 @@ Record layouts (int32, all views of one buffer ``plan.metadata``):
     slots ``first_slot : first_slot + num_slots`` in token order; the merged result goes to
     ``out`` rows of ``seq``, heads of ``kv_head``. ``seq == -1`` marks an unused record.
 
-``partition[1]``
+``metadata[-1]``
     The partition size the scheduler used for this step (see ``partition_size``).
-``slot_reduces[max_partials]``
-    For each partial slot a work writes, the index of its sequence's record in ``reduces``
-    (undefined for unused slots). The decode kernel's fused merge finds the record this way.
-``arrivals[max_reduces]``
-    Per reduce record, how many of its partials the decode kernel has written so far in the
-    current launch (fused merge only): the scheduler zeroes the used ones, and the program
-    that writes the last partial merges the record and zeroes its count again, so the next
-    launch over the same plan (the next layer) starts from zero.
 
 Partial buffers (float32): ``partial_out[max_partials, query_len * group, head_dim]`` and
 ``partial_lse[max_partials, query_len * group]`` (LSE in log2 units; -inf for a row that saw
@@ -79,11 +71,11 @@ class DecodePlan:
     """Work list, reduce maps and partial buffers for one decode step (device tensors).
 
     Made by :func:`pagedattn.plan_decode`; reuse it for every layer of the step. Two buffers
-    hold everything: ``metadata`` (int32: ``work_indptr``, ``works``, ``reduces``, the
-    partition size, ``slot_reduces``, ``arrivals``, in that order) and ``partials``
-    (float32: ``partial_out``, then ``partial_lse``). The named fields below are views of
-    them, made on first use (the kernels take the two buffers and offsets, so a fresh plan
-    costs two allocations and no views; see the module docstring for the record layouts).
+    hold everything: ``metadata`` (int32: ``work_indptr``, ``works``, ``reduces``, in that
+    order) and ``partials`` (float32: ``partial_out``, then ``partial_lse``). The named
+    fields below are views of them, made on first use (the kernels take the two buffers and
+    offsets, so a fresh plan costs two allocations and no views; see the module docstring for
+    the record layouts).
     """
 
     batch: int
@@ -152,16 +144,6 @@ class DecodePlan:
         return self.reduces_offset + self.max_reduces * REDUCE_FIELDS
 
     @property
-    def slot_reduces_offset(self) -> int:
-        """Element offset of ``slot_reduces`` in ``metadata``."""
-        return self.partition_offset + 1
-
-    @property
-    def arrivals_offset(self) -> int:
-        """Element offset of ``arrivals`` in ``metadata``."""
-        return self.slot_reduces_offset + self.max_partials
-
-    @property
     def min_partition_size(self) -> int:
         """The smallest partition size a step of this plan can have (decode tiles fit it)."""
         return self.partition_size or int(AUTO_SMALL.value)
@@ -190,14 +172,6 @@ class DecodePlan:
         return self.metadata.as_strided(
             (self.max_reduces, REDUCE_FIELDS), (REDUCE_FIELDS, 1), self.reduces_offset
         )
-
-    @functools.cached_property
-    def slot_reduces(self) -> torch.Tensor:  # [max_partials]
-        return self.metadata.as_strided((self.max_partials,), (1,), self.slot_reduces_offset)
-
-    @functools.cached_property
-    def arrivals(self) -> torch.Tensor:  # [max_reduces]
-        return self.metadata.as_strided((self.max_reduces,), (1,), self.arrivals_offset)
 
     @functools.cached_property
     def partial_out(self) -> torch.Tensor:  # float32 [max_partials, query_len * group, head_dim]
@@ -243,9 +217,7 @@ def allocate_plan(
     allocations, no views (each torch call costs host time, and a serving loop may make a
     plan every step)."""
     max_works, max_partials, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
-    n_meta = (num_programs + 1 + max_works * WORK_FIELDS + max_reduces * REDUCE_FIELDS + 1) + (
-        max_partials + max_reduces
-    )
+    n_meta = num_programs + 1 + max_works * WORK_FIELDS + max_reduces * REDUCE_FIELDS + 1
     rows = query_len * (num_q_heads // num_kv_heads)
     n_partials = max_partials * rows * (head_dim + 1)
     return DecodePlan(
@@ -281,20 +253,19 @@ def auto_partition_size(seq_lens, programs_per_head: int) -> int:
 
 def schedule_numpy(
     seq_lens, *, num_programs: int, num_kv_heads: int, group: int, partition_size: int | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NumPy twin of the GPU scheduler, written as a plain walk over programs.
 
-    Returns ``(work_indptr, works, reduces, slot_reduces)`` with exactly the shapes and
-    contents the GPU kernel writes (``reduces`` padded with -1 rows); unused ``works`` rows
-    and ``slot_reduces`` entries are zero here and undefined on the GPU, so compare only the
-    first ``work_indptr[-1]`` rows and the slots in use.
+    Returns ``(work_indptr, works, reduces)`` with exactly the shapes and contents the GPU
+    kernel writes (``reduces`` padded with -1 rows); unused ``works`` rows are zero here and
+    undefined on the GPU, so compare only the first ``work_indptr[-1]`` rows.
     """
     lens = np.asarray(seq_lens, dtype=np.int64)
     batch = len(lens)
     per_head = num_programs // num_kv_heads
     if partition_size is None:
         partition_size = auto_partition_size(lens, per_head)
-    max_works, max_partials, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
+    max_works, _, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
     parts = -(-lens // partition_size)
     seq_first = np.concatenate([[0], np.cumsum(parts)])  # first partition of each sequence
     total = int(seq_first[-1])
@@ -319,7 +290,6 @@ def schedule_numpy(
     work_indptr = np.zeros(num_programs + 1, dtype=np.int32)
     works = np.zeros((max_works, WORK_FIELDS), dtype=np.int32)
     reduces = np.full((max_reduces, REDUCE_FIELDS), -1, dtype=np.int32)
-    slot_reduces = np.zeros(max_partials, dtype=np.int32)
     w = 0
     slot = 0
     r = 0
@@ -345,9 +315,7 @@ def schedule_numpy(
                     token_end,
                     slot if cut else -1,
                 )
-                if cut:
-                    slot_reduces[slot] = r - 1  # the record of its sequence, the latest
                 slot += int(cut)
                 w += 1
     work_indptr[num_programs] = w
-    return work_indptr, works, reduces, slot_reduces
+    return work_indptr, works, reduces

@@ -8,10 +8,6 @@ sequence writes ``out`` (and LSE), a cut one writes its partial slot for the red
 Q, K, V and the accumulator are cut along head_dim into ``CHUNKS`` (1, 2 or 4) chunks, one
 ``tl.dot`` each, so only one chunk of a converted K or V tile is live in registers at a time.
 
-With FUSED_REDUCE, the program that writes the last partial of a cut (sequence, kv head)
-merges its partials itself (the reducer's ``merge_partials``, same order), so a step needs no
-reducer launch.
-
 Numerics: FP8 K/V are converted to the query dtype exactly (every e4m3 value is a bf16 and an
 fp16 value); per-tensor scales fold into the score scale (K) and the output (V); per-token
 scales multiply score columns (K) and probability columns (V). Scores, softmax state and
@@ -22,7 +18,6 @@ import triton
 import triton.language as tl
 
 from .common import LN2, dot_any, globaltimer
-from .reduce import merge_partials
 
 # Scale modes (constexpr SCALE_MODE).
 SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
@@ -515,9 +510,6 @@ def _decode_kernel(
     seq_lens_ptr,  # [batch] int32
     work_indptr_ptr,  # plan.metadata: work_indptr [num_programs + 1] int32, then ...
     works_offset,  # ... works [max_works, 8] int32 from this element on
-    reduces_offset,  # ... and (FUSED_REDUCE) the reduce records [max_reduces, 4],
-    slot_reduces_offset,  # each partial slot's record [max_partials],
-    arrivals_offset,  # the records' arrival counts [max_reduces]
     out_ptr,  # [batch * query_len, num_q_heads, head_dim]
     stride_o_tok,
     stride_o_head,
@@ -543,9 +535,6 @@ def _decode_kernel(
     UNMASKED_LOOP: tl.constexpr,
     CHUNKS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,  # the program writing a record's last partial merges it
-    MERGE_SLOTS: tl.constexpr,  # partials per step of the fused merge
-    MERGE_STAGES: tl.constexpr,  # pipelining of the fused merge's loop (1: none)
     TRACE: tl.constexpr,
 ):
     ROWS: tl.constexpr = QUERY_LEN * GROUP
@@ -726,44 +715,5 @@ def _decode_kernel(
             p_row = partial_out_ptr + (p_base + offs_m) * HEAD_DIM
             _store_rows(p_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)
             tl.store(partial_lse_ptr + p_base + offs_m, lse2, mask=row_ok)
-            if FUSED_REDUCE:
-                # Count this partial in; the program that brings the count to the record's
-                # partials merges them (in slot order, whoever it is: deterministic) and
-                # zeroes the count for the next launch. The barrier orders every thread's
-                # partial stores before the count (a release at GPU scope); the merger's
-                # acquire orders its loads (through L2) after every other piece's count.
-                tl.debug_barrier()
-                record = tl.load(work_indptr_ptr + slot_reduces_offset + slot)
-                rec = work_indptr_ptr + reduces_offset + record.to(tl.int64) * 4
-                num_slots = tl.load(rec + 3)
-                counter = work_indptr_ptr + arrivals_offset + record
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_slots - 1:
-                    tl.store(counter, 0)
-                    first_slot = tl.load(rec + 2)
-                    for c in tl.static_range(CHUNKS):
-                        merge_partials(
-                            seq,
-                            kv_head,
-                            first_slot,
-                            num_slots,
-                            offs_m,
-                            c * DC,
-                            partial_out_ptr,
-                            partial_lse_ptr,
-                            out_ptr,
-                            stride_o_tok,
-                            stride_o_head,
-                            lse_ptr,
-                            stride_lse_tok,
-                            QUERY_LEN,
-                            GROUP,
-                            HEAD_DIM,
-                            BLOCK_M,
-                            DC,
-                            MERGE_SLOTS,
-                            MERGE_STAGES,
-                            WRITE_LSE,
-                            ".cg",
-                        )
     if TRACE:
         tl.store(trace_row + 1, globaltimer())

@@ -8,85 +8,13 @@ so that few records still spread over many programs; ``tuning/launch.py``). Unus
 Partials are taken ``SLOT_BLOCK`` at a time in slot order (= token order) and merged by a
 float32 log-sum-exp merge (``NUM_STAGES`` > 1 pipelines the blocks' loads; measured slower
 on the H200, so off by default). The order of every float32 operation depends only on the
-plan, so repeated runs over the same inputs and plan give identical bits. The merge itself
-(``merge_partials``) also serves the decode kernel's fused merge.
+plan, so repeated runs over the same inputs and plan give identical bits.
 """
 
 import triton
 import triton.language as tl
 
 from .common import LN2
-
-
-@triton.jit
-def merge_partials(
-    seq,
-    kv_head,
-    first_slot,
-    num_slots,
-    offs_r,  # [BLOCK_R] query rows of the record to merge (rows >= ROWS are masked)
-    d0,  # first of the BLOCK_D columns to merge
-    partial_out_ptr,
-    partial_lse_ptr,
-    out_ptr,
-    stride_o_tok,
-    stride_o_head,
-    lse_ptr,
-    stride_lse_tok,
-    QUERY_LEN: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SLOT_BLOCK: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-    CACHE: tl.constexpr,  # cache modifier of the partials' loads ("": default)
-):
-    """Merges one cut (sequence, kv head)'s partials (slots ``first_slot ..``, in slot order,
-    ``SLOT_BLOCK`` at a time) over rows ``offs_r`` and columns ``d0 .. d0 + BLOCK_D`` and
-    writes them to ``out`` (and, from the program holding column 0, the LSE). The split
-    reducer and the decode kernel's fused merge both call it."""
-    ROWS: tl.constexpr = QUERY_LEN * GROUP
-    offs_j = tl.arange(0, SLOT_BLOCK)
-    offs_d = d0 + tl.arange(0, BLOCK_D)
-    row_ok = offs_r < ROWS
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for j0 in tl.range(0, num_slots, SLOT_BLOCK, num_stages=NUM_STAGES):
-        slot = (first_slot + j0 + offs_j).to(tl.int64)
-        ok = (j0 + offs_j < num_slots)[:, None] & row_ok[None, :]
-        # [SLOT_BLOCK, BLOCK_R]: a partial with no key for a row has lse = -inf, weight 0.
-        lse = tl.load(
-            partial_lse_ptr + slot[:, None] * ROWS + offs_r[None, :],
-            mask=ok,
-            other=float("-inf"),
-            cache_modifier=CACHE,
-        )
-        part = tl.load(
-            partial_out_ptr
-            + (slot[:, None, None] * ROWS + offs_r[None, :, None]) * HEAD_DIM
-            + offs_d[None, None, :],
-            mask=ok[:, :, None],
-            other=0.0,
-            cache_modifier=CACHE,
-        )
-        m_new = tl.maximum(m_i, tl.max(lse, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        weight = tl.exp2(lse - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(weight, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], axis=0)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    tok = (seq * QUERY_LEN + offs_r // GROUP).to(tl.int64)
-    head = kv_head * GROUP + offs_r % GROUP
-    o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if WRITE_LSE and d0 == 0:
-        tl.store(lse_ptr + tok * stride_lse_tok + head, (m_i + tl.log2(l_safe)) * LN2, mask=row_ok)
 
 
 @triton.jit
@@ -109,33 +37,58 @@ def _reduce_kernel(
     NUM_STAGES: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
+    ROWS: tl.constexpr = QUERY_LEN * GROUP
+    partial_lse_ptr = partial_out_ptr + lse_offset
     # The whole record in one load (the fields are picked out in registers): one round
     # trip before the partials' addresses are known, not two.
     fields = tl.arange(0, 4)
     rec = tl.load(metadata_ptr + reduces_offset + tl.program_id(0).to(tl.int64) * 4 + fields)
     seq = tl.sum(tl.where(fields == 0, rec, 0), axis=0)
     if seq >= 0:
-        merge_partials(
-            seq,
-            tl.sum(tl.where(fields == 1, rec, 0), axis=0),
-            tl.sum(tl.where(fields == 2, rec, 0), axis=0),
-            tl.sum(tl.where(fields == 3, rec, 0), axis=0),
-            tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R),
-            tl.program_id(2) * BLOCK_D,
-            partial_out_ptr,
-            partial_out_ptr + lse_offset,
-            out_ptr,
-            stride_o_tok,
-            stride_o_head,
-            lse_ptr,
-            stride_lse_tok,
-            QUERY_LEN,
-            GROUP,
-            HEAD_DIM,
-            BLOCK_R,
-            BLOCK_D,
-            SLOT_BLOCK,
-            NUM_STAGES,
-            WRITE_LSE,
-            "",
+        kv_head = tl.sum(tl.where(fields == 1, rec, 0), axis=0)
+        first_slot = tl.sum(tl.where(fields == 2, rec, 0), axis=0)
+        num_slots = tl.sum(tl.where(fields == 3, rec, 0), axis=0)
+        offs_j = tl.arange(0, SLOT_BLOCK)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        d0 = tl.program_id(2) * BLOCK_D
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        row_ok = offs_r < ROWS
+
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for j0 in tl.range(0, num_slots, SLOT_BLOCK, num_stages=NUM_STAGES):
+            slot = (first_slot + j0 + offs_j).to(tl.int64)
+            ok = (j0 + offs_j < num_slots)[:, None] & row_ok[None, :]
+            # [SLOT_BLOCK, BLOCK_R]: a partial with no key for a row has lse = -inf, weight 0.
+            lse = tl.load(
+                partial_lse_ptr + slot[:, None] * ROWS + offs_r[None, :],
+                mask=ok,
+                other=float("-inf"),
+            )
+            part = tl.load(
+                partial_out_ptr
+                + (slot[:, None, None] * ROWS + offs_r[None, :, None]) * HEAD_DIM
+                + offs_d[None, None, :],
+                mask=ok[:, :, None],
+                other=0.0,
+            )
+            m_new = tl.maximum(m_i, tl.max(lse, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            weight = tl.exp2(lse - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(weight, axis=0)
+            acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], axis=0)
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        tok = (seq * QUERY_LEN + offs_r // GROUP).to(tl.int64)
+        head = kv_head * GROUP + offs_r % GROUP
+        o_ptrs = (
+            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         )
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE and d0 == 0:
+            tl.store(
+                lse_ptr + tok * stride_lse_tok + head, (m_i + tl.log2(l_safe)) * LN2, mask=row_ok
+            )

@@ -24,9 +24,6 @@ Buffer layout (int32, one buffer; ``plan.py`` owns it and documents the fields):
   works        [max_works, 8]   (program, seq, kv_head, q_head_start, q_head_end, token_start, token_end, partial_slot)
   reduces      [max_reduces, 4]  (seq, kv_head, first_slot, num_slots); seq -1 = unused
   partition    [1]               the step's partition size
-  slot_reduces [max_partials]    the reduce record of each partial slot in use
-  arrivals     [max_reduces]     zeroed for the records in use (the decode kernel's fused
-                                 merge counts finished partials there)
 """
 
 import triton
@@ -170,8 +167,6 @@ def _pick(v, lanes, l: tl.constexpr):
 def _write_works(
     works_ptr,
     reduces_ptr,
-    slot_reduces_ptr,
-    arrivals_ptr,
     seq,
     lens,
     parts,
@@ -192,9 +187,8 @@ def _write_works(
     GROUP: tl.constexpr,
     shift,  # log2 of the partition size
 ):
-    """Writes this program's works among a chunk of sequences, the reduce record of each of
-    their partial slots, and (for a cut sequence it starts) the reduce record itself, with
-    its arrival count zeroed; returns the running counts of its works and cut works."""
+    """Writes this program's works among a chunk of sequences (and the reduce record of a cut
+    sequence it starts); returns the running counts of its works and cut works."""
     mine = (parts > 0) & (first <= local) & (last >= local)
     cut = mine & (last > first)
     mine_scan, cut_scan = _split(tl.cumsum(_pair(mine, cut), axis=0))
@@ -213,17 +207,13 @@ def _write_works(
     tl.store(rec + 5, tok_start, mask=mine)
     tl.store(rec + 6, tok_end, mask=mine)
     tl.store(rec + 7, slot, mask=mine)
-    # A cut sequence that begins in an earlier program is the last cut one that begins
-    # before this program (record reduce_index - 1); one that begins here is the next.
-    starts_cut = cut & (first == local)
-    tl.store(slot_reduces_ptr + slot, reduce_index - (first < local).to(tl.int32), mask=cut)
     # The program holding a cut sequence's first piece writes its reduce record.
+    starts_cut = cut & (first == local)
     red = reduces_ptr + reduce_index.to(tl.int64) * 4 + zero
     tl.store(red + 0, seq, mask=starts_cut)
     tl.store(red + 1, zero + kv_head, mask=starts_cut)
     tl.store(red + 2, slot, mask=starts_cut)
     tl.store(red + 3, last - first + 1, mask=starts_cut)
-    tl.store(arrivals_ptr + reduce_index + zero, zero, mask=starts_cut)
     mine_total, cut_total = _split(tl.sum(_pair(mine, cut), axis=0))
     return mine_carry + mine_total, cut_carry + cut_total
 
@@ -231,10 +221,9 @@ def _write_works(
 @triton.jit
 def _schedule_kernel(
     seq_lens_ptr,  # [batch] int32
-    metadata_ptr,  # int32: work_indptr [num_programs + 1], works [max_works, 8], reduces, ...
+    metadata_ptr,  # int32: work_indptr [num_programs + 1], works [max_works, 8], reduces
     batch,
     max_works,
-    max_partials,
     max_reduces,
     PROGRAMS_PER_HEAD: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
@@ -248,8 +237,6 @@ def _schedule_kernel(
     work_indptr_ptr = metadata_ptr
     works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
     reduces_ptr = works_ptr + max_works * 8
-    slot_reduces_ptr = reduces_ptr + max_reduces * 4 + 1
-    arrivals_ptr = slot_reduces_ptr + max_partials
     first_pid = tl.program_id(0) * LOCALS
     kv_head = first_pid // PROGRAMS_PER_HEAD
     local0 = first_pid % PROGRAMS_PER_HEAD
@@ -367,8 +354,6 @@ def _schedule_kernel(
             _write_works(
                 works_ptr,
                 reduces_ptr,
-                slot_reduces_ptr,
-                arrivals_ptr,
                 offs,
                 lens,
                 parts,
@@ -410,8 +395,6 @@ def _schedule_kernel(
                 mine_carry, cut_carry = _write_works(
                     works_ptr,
                     reduces_ptr,
-                    slot_reduces_ptr,
-                    arrivals_ptr,
                     seq,
                     lens_w,
                     parts_w,

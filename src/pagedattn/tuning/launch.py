@@ -61,10 +61,7 @@ class DecodeLaunchConfig:
     # chunks), so one chunk of the converted K/V tile is live in registers at a time.
     head_chunk: int = 64
     maxnreg: int | None = None  # register cap per thread (more programs fit per SM; may spill)
-    # The decode program that writes a cut sequence's last partial merges it (no reducer
-    # launch); False: the split reducer merges them in a launch of its own.
-    fused_reduce: bool = True
-    reduce: ReduceLaunchConfig | None = None  # the split reducer's tile (None: default)
+    reduce: ReduceLaunchConfig | None = None  # None: reduce_launch_config's default
 
 
 def default_grid_multiplier(rows: int) -> int:
