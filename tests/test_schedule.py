@@ -17,9 +17,10 @@ from pagedattn.tuning.launch import (
 
 
 def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1):
+    """A plan scheduled into poisoned buffers, so that anything the scheduler should have
+    written and did not shows."""
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    return pagedattn.plan_decode(
-        seq_lens,
+    kwargs = dict(
         num_q_heads=num_kv_heads * group,
         num_kv_heads=num_kv_heads,
         head_dim=64,
@@ -28,6 +29,9 @@ def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_
         num_programs=num_programs,
         partition_size=partition_size,
     )
+    plan = pagedattn.plan_decode(seq_lens, **kwargs)
+    plan.metadata.fill_(0x5A5A5A5A)
+    return pagedattn.plan_decode(seq_lens, reuse=plan, **kwargs)
 
 
 def check_invariants(plan, lens, partition_size):
