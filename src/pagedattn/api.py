@@ -7,11 +7,13 @@ captured in one CUDA graph and replayed with new ``seq_lens``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import checks
-from ._kernels.common import CachedLaunch, interpreting
+from ._kernels.common import CachedLaunch, interpreting, pdl_supported
 from ._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_kernel
 from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_kernel
@@ -47,6 +49,10 @@ _SCHEDULE_LOCALS = None
 # Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
 # benchmarks set it).
 _SCHEDULE_WARPS = None
+# Programmatic dependent launch for the step's kernels where the GPU has it (each kernel's
+# programs launch while the one before finishes, then wait for its results; NOTES.md, step
+# 44). PAGEDATTN_PDL=0 in the environment turns it off (plain stream order).
+_PDL = os.environ.get("PAGEDATTN_PDL", "1") != "0"
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -197,6 +203,7 @@ def plan_decode(
             f"({num_programs // num_kv_heads})"
         )
     grid = num_programs // locals_
+    pdl = _PDL and pdl_supported(device)
     _launch_schedule(
         (grid,),
         (seq_lens, plan.metadata, batch, plan.max_works, plan.max_reduces),
@@ -210,9 +217,11 @@ def plan_decode(
             batch <= block_b,
             0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW,
             locals_,
+            pdl,
         ),
         num_warps=_SCHEDULE_WARPS
         or schedule_warps(block_b=block_b, num_programs=grid, sm_count=sms),
+        launch_pdl=pdl,
     )
     return plan
 
@@ -407,6 +416,7 @@ def paged_decode(
             shape.head_dim // chunks,
         )
     k_desc, v_desc = descriptors or (k_cache, v_cache)
+    pdl = _PDL and pdl_supported(q.device)
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
     lse_stride = lse.stride(0) if lse is not None else 0
     # Without scales the kernel never reads these pointers; any tensor will do.
@@ -457,9 +467,12 @@ def paged_decode(
         UNMASKED_LOOP=config.unmasked_loop,
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
+        PDL=pdl,
+        PDL_NEXT=pdl and plan.max_reduces > 0,  # the reducer follows
         TRACE=_trace is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
     reduce_partials(plan, out, lse, config.reduce)
@@ -479,6 +492,7 @@ def reduce_partials(
     (``max_reduces == 0``) launches nothing."""
     if plan.max_reduces == 0:
         return
+    pdl = _PDL and pdl_supported(out.device)
     rows = plan.rows
     red = config or reduce_launch_config(
         rows=rows,
@@ -500,7 +514,7 @@ def reduce_partials(
             lse if lse is not None else out,  # never written when WRITE_LSE is False
             lse.stride(0) if lse is not None else 0,
         ),
-        (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE
+        (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE, PDL
             plan.query_len,
             plan.group,
             plan.head_dim,
@@ -509,6 +523,8 @@ def reduce_partials(
             red.slot_block,
             red.num_stages,
             lse is not None,
+            pdl,
         ),
         num_warps=red.num_warps,
+        launch_pdl=pdl,
     )

@@ -1,10 +1,12 @@
 """Helpers shared by the Triton kernels."""
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # ln(2): LSEs are kept in log2 units inside the kernels and reported in natural log.
 LN2 = tl.constexpr(0.6931471805599453)
@@ -26,11 +28,36 @@ def dot_any(a, b, DOT_FP32: tl.constexpr, acc=None):
 
 
 @triton.jit
+def grid_dependency(WAIT: tl.constexpr, RELEASE: tl.constexpr):
+    """Programmatic dependent launch, at the top of a kernel: ``WAIT`` waits until the grid
+    launched before this one has finished and its writes are visible (a kernel launched with
+    ``launch_pdl`` must, before touching memory); ``RELEASE`` lets the next grid launch now
+    (its programs then wait in their own ``WAIT``)."""
+    if WAIT:
+        gdc_wait()
+    if RELEASE:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def globaltimer():
     """The GPU's nanosecond clock (``%globaltimer``), for profiling stamps; compiled code only."""
     return tl.inline_asm_elementwise(
         "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
     )
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel launched while the one before it finishes,
+    waiting in ``griddepcontrol.wait`` for its results): compiled CUDA code on sm_90+."""
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 class CachedLaunch:
@@ -49,15 +76,23 @@ class CachedLaunch:
         self.kernel = kernel
         self.compiled = {}
 
-    def __call__(self, grid, args, constexprs, num_warps):
+    def __call__(self, grid, args, constexprs, num_warps, launch_pdl=False):
         compiled = None
         if not interpreting():
-            key = (torch.cuda.current_device(), num_warps, constexprs, *map(_specialisation, args))
+            key = (
+                torch.cuda.current_device(),
+                num_warps,
+                constexprs,
+                *map(_specialisation, args),
+                launch_pdl,
+            )
             compiled = self.compiled.get(key)
         if compiled is not None:
             compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
             return
         kwargs = dict(zip(self.kernel.arg_names[len(args) :], constexprs))
+        if launch_pdl:
+            kwargs["launch_pdl"] = True
         result = self.kernel[grid](*args, **kwargs, num_warps=num_warps)
         if not interpreting():
             self.compiled[key] = result

@@ -17,7 +17,7 @@ accumulators are float32; Q K^T takes the query dtype, P V takes fp16 (bf16 for 
 import triton
 import triton.language as tl
 
-from .common import LN2, dot_any, globaltimer
+from .common import LN2, dot_any, globaltimer, grid_dependency
 
 # Scale modes (constexpr SCALE_MODE).
 SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
@@ -535,8 +535,11 @@ def _decode_kernel(
     UNMASKED_LOOP: tl.constexpr,
     CHUNKS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (see grid_dependency)
+    PDL_NEXT: tl.constexpr,  # ... and the reducer, launched after it, may launch at once
     TRACE: tl.constexpr,
 ):
+    grid_dependency(PDL, PDL_NEXT)
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     works_ptr = work_indptr_ptr + works_offset

@@ -29,6 +29,8 @@ Buffer layout (int32, one buffer; ``plan.py`` owns it and documents the fields):
 import triton
 import triton.language as tl
 
+from .common import grid_dependency
+
 # Partition sizes the scheduler picks between when the planner leaves it the choice
 # (PARTITION_SHIFT == 0): the small one when 256-token partitions would leave at least half
 # the programs of a kv head idle and no sequence would be cut into more than 32 of them;
@@ -233,7 +235,9 @@ def _schedule_kernel(
     SINGLE_BLOCK: tl.constexpr,  # batch <= BLOCK_B: one load, one pass, all in registers
     WINDOW: tl.constexpr,  # sequences per step when writing a program's works (0: all)
     LOCALS: tl.constexpr,  # decode programs served by one scheduler program (divides the head's)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (see grid_dependency)
 ):
+    grid_dependency(PDL, PDL)
     work_indptr_ptr = metadata_ptr
     works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
     reduces_ptr = works_ptr + max_works * 8
