@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import ON_GPU
 
 from pagedattn.tuning.launch import (
     DecodeLaunchConfig,
@@ -172,3 +173,12 @@ def test_schedule_locals(num_programs, num_kv_heads, expected):
     assert (num_programs // num_kv_heads) % got == 0
     # a batch scanned in one block: one scheduler program per decode program
     assert schedule_locals(batch=2048, block_b=2048, **kw) == 1
+
+
+def test_pdl_only_in_compiled_cuda_code_on_sm90_and_later():
+    from pagedattn._kernels.common import pdl_supported
+
+    assert not pdl_supported(torch.device("cpu"))
+    if ON_GPU:  # (and compiled: the GPU suite does not set TRITON_INTERPRET)
+        want = torch.cuda.get_device_capability() >= (9, 0)
+        assert pdl_supported(torch.device("cuda")) == want

@@ -49,9 +49,11 @@ _SCHEDULE_LOCALS = None
 # Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
 # benchmarks set it).
 _SCHEDULE_WARPS = None
-# Programmatic dependent launch for the step's kernels where the GPU has it (each kernel's
-# programs launch while the one before finishes, then wait for its results; NOTES.md, step
-# 44). PAGEDATTN_PDL=0 in the environment turns it off (plain stream order).
+# Programmatic dependent launch for the scheduler and the decode kernel where the GPU has it
+# (the decode kernel's programs launch while the kernel before it finishes, then wait for its
+# results): whole step 0.96x in geometric mean, 1 x 1024 10.7 -> 9.2 µs (NOTES.md, step 44).
+# The reducer is launched plainly (so launched, 1 x 32768 q_len 4 took 1.18x). PAGEDATTN_PDL=0
+# in the environment turns it off (plain stream order).
 _PDL = os.environ.get("PAGEDATTN_PDL", "1") != "0"
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
@@ -343,7 +345,10 @@ def paged_decode(
     Notes
     -----
     At most two launches with a plan (decode, then the reducer for sequences split across
-    programs) and no host sync: the call may be captured in a CUDA graph. The result is
+    programs) and no host sync: the call may be captured in a CUDA graph. On sm_90+ GPUs the
+    decode kernel (like the scheduler) is a programmatic dependent launch: its programs start
+    while the kernel before it finishes and wait for its results before reading anything;
+    ``PAGEDATTN_PDL=0`` in the environment turns that off. The result is
     deterministic: the same inputs and plan give the same bits.
 
     Numerics, relative error ‖out − ref‖ / ‖ref‖ against the float64 reference on random data
@@ -468,7 +473,6 @@ def paged_decode(
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
         PDL=pdl,
-        PDL_NEXT=pdl and plan.max_reduces > 0,  # the reducer follows
         TRACE=_trace is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -492,7 +496,6 @@ def reduce_partials(
     (``max_reduces == 0``) launches nothing."""
     if plan.max_reduces == 0:
         return
-    pdl = _PDL and pdl_supported(out.device)
     rows = plan.rows
     red = config or reduce_launch_config(
         rows=rows,
@@ -514,7 +517,7 @@ def reduce_partials(
             lse if lse is not None else out,  # never written when WRITE_LSE is False
             lse.stride(0) if lse is not None else 0,
         ),
-        (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE, PDL
+        (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE
             plan.query_len,
             plan.group,
             plan.head_dim,
@@ -523,8 +526,6 @@ def reduce_partials(
             red.slot_block,
             red.num_stages,
             lse is not None,
-            pdl,
         ),
         num_warps=red.num_warps,
-        launch_pdl=pdl,
     )

@@ -536,10 +536,9 @@ def _decode_kernel(
     CHUNKS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see grid_dependency)
-    PDL_NEXT: tl.constexpr,  # ... and the reducer, launched after it, may launch at once
     TRACE: tl.constexpr,
 ):
-    grid_dependency(PDL, PDL_NEXT)
+    grid_dependency(PDL, False)
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     works_ptr = work_indptr_ptr + works_offset
