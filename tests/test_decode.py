@@ -325,7 +325,11 @@ def test_seed_workload(batch, context, query_len, kv_scale, gen):
 
 
 @requires_gpu
-def test_cuda_graph_replay_with_new_lengths(gen):
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
+    """Plan + decode + reduce captured once, replayed with new lengths; also with the opt-in
+    programmatic dependent launches (PAGEDATTN_PDL=1), on GPUs that have them."""
+    monkeypatch.setattr(pagedattn.api, "_PDL", pdl)
     batch, query_len, max_len = 8, 2, 5000
     lens = [max_len] * batch
     cache = pagedattn.build_paged_cache(

@@ -403,7 +403,6 @@ def test_repeated_plans_reuse_the_compiled_launch(monkeypatch):
     if ON_GPU:
         keys = list(_launch_schedule.compiled)
         assert sorted(k[2][1] for k in keys) == [7, 8]  # NUM_PROGRAMS, one kernel each
-        # Launched as programmatic dependent launches where the GPU has them (sm_90+), so the
-        # GPU suite runs that path.
-        pdl = pdl_supported(torch.device(DEVICE))
+        # Programmatic dependent launch only when opted in and the GPU has it (sm_90+).
+        pdl = pagedattn.api._PDL and pdl_supported(torch.device(DEVICE))
         assert all(k[-1] == pdl and k[2][-1] == pdl for k in keys)

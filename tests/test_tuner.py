@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import pagedattn
 from pagedattn.tuning import table as tuning_table
 from pagedattn.tuning import tuner
+from pagedattn.tuning.launch import default_grid_multiplier
 from pagedattn.tuning.table import TuningKey, lookup_grid, read_table
 from pagedattn.tuning.tuner import Shape, choose, main, make_row, tune_shape
 
@@ -344,7 +345,10 @@ def test_tunes_one_shape_on_gpu(tmp_path):
     (row,) = read_table(table)
     assert row["device_name"] == torch.cuda.get_device_name()
     assert (row["batch_bucket"], row["context_bucket"]) == (4, 2048)
-    assert row["grid_multiplier"] in (1, 2) and row["tuned_us"] > 0 and row["default_us"] > 0
+    # A candidate wins only if it beats the default (4 programs per SM for these 16 rows) by
+    # more than the noise; which one does depends on the GPU's timings.
+    assert row["grid_multiplier"] in (1, 2, default_grid_multiplier(16))
+    assert row["tuned_us"] > 0 and row["default_us"] > 0
 
 
 def test_graph_capture_needs_steps():

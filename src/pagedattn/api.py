@@ -49,12 +49,14 @@ _SCHEDULE_LOCALS = None
 # Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
 # benchmarks set it).
 _SCHEDULE_WARPS = None
-# Programmatic dependent launch for the scheduler and the decode kernel where the GPU has it
-# (the decode kernel's programs launch while the kernel before it finishes, then wait for its
-# results): whole step 0.96x in geometric mean, 1 x 1024 10.7 -> 9.2 µs (NOTES.md, step 44).
-# The reducer is launched plainly (so launched, 1 x 32768 q_len 4 took 1.18x). PAGEDATTN_PDL=0
-# in the environment turns it off (plain stream order).
-_PDL = os.environ.get("PAGEDATTN_PDL", "1") != "0"
+# Programmatic dependent launch (PDL) of the scheduler and the decode kernel, opt-in with
+# PAGEDATTN_PDL=1 in the environment (sm_90+): the scheduler lets the next kernel launch at
+# once, and a decode kernel so launched waits for the scheduler's results before reading
+# anything. Off by default: a persistent grid launched early is placed on whichever SMs are
+# free at the time, so where more of its programs fit on an SM than it plans for, SMs get
+# uneven shares (bf16 KV, q_len 1, batch 128: 1.10-1.16x slower), while the FP8 seed shapes
+# gain 0.987x in geometric mean, 1 x 1024 10.6 -> 9.2 µs (NOTES.md, step 44).
+_PDL = os.environ.get("PAGEDATTN_PDL", "0") == "1"
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -210,7 +212,7 @@ def plan_decode(
         (grid,),
         (seq_lens, plan.metadata, batch, plan.max_works, plan.max_reduces),
         (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION_SHIFT, BLOCK_B, SINGLE_BLOCK,
-            # WINDOW, LOCALS
+            # WINDOW, LOCALS, PDL
             num_programs // num_kv_heads,
             num_programs,
             num_q_heads // num_kv_heads,
@@ -345,10 +347,12 @@ def paged_decode(
     Notes
     -----
     At most two launches with a plan (decode, then the reducer for sequences split across
-    programs) and no host sync: the call may be captured in a CUDA graph. On sm_90+ GPUs the
-    decode kernel (like the scheduler) is a programmatic dependent launch: its programs start
-    while the kernel before it finishes and wait for its results before reading anything;
-    ``PAGEDATTN_PDL=0`` in the environment turns that off. The result is
+    programs) and no host sync: the call may be captured in a CUDA graph. With
+    ``PAGEDATTN_PDL=1`` in the environment (opt-in, sm_90+) the decode kernel (like the
+    scheduler) is a programmatic dependent launch: it may launch before the kernel ahead of
+    it has finished, and waits for its results before reading anything (faster at small
+    batches; slower where more programs fit on an SM than the grid plans for: NOTES.md,
+    step 44). The result is
     deterministic: the same inputs and plan give the same bits.
 
     Numerics, relative error ‖out − ref‖ / ‖ref‖ against the float64 reference on random data

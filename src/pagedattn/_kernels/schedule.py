@@ -235,7 +235,8 @@ def _schedule_kernel(
     SINGLE_BLOCK: tl.constexpr,  # batch <= BLOCK_B: one load, one pass, all in registers
     WINDOW: tl.constexpr,  # sequences per step when writing a program's works (0: all)
     LOCALS: tl.constexpr,  # decode programs served by one scheduler program (divides the head's)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (see grid_dependency)
+    PDL: tl.constexpr,  # programmatic dependent launch (see grid_dependency); the next
+    # kernel (the decode) may launch at once
 ):
     grid_dependency(PDL, PDL)
     work_indptr_ptr = metadata_ptr
