@@ -389,6 +389,35 @@ def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
 
 
 @requires_gpu
+@pytest.mark.parametrize("kv_dtype", [FP8, torch.bfloat16])
+def test_pdl_only_when_the_grid_fills_every_sm_exactly(kv_dtype, gen, monkeypatch):
+    """With PAGEDATTN_PDL=1 the decode kernel is launched early only when its programs fill
+    every SM exactly (else the programs launched early crowd the free SMs); the result is
+    right either way."""
+    monkeypatch.setattr(pagedattn.api, "_PDL", True)
+    monkeypatch.setattr(pagedattn.api, "_programs_per_sm", {})
+    cache = pagedattn.build_paged_cache(
+        [3000] * 8,
+        num_kv_heads=1,
+        head_dim=128,
+        page_size=1024,
+        kv_dtype=kv_dtype,
+        kv_scale="per_tensor" if kv_dtype == FP8 else None,
+        device=DEVICE,
+        generator=gen,
+    )
+    q = torch.randn(8, 16, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    out = pagedattn.paged_decode(*args, **kw)
+    assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(kv_dtype, torch.bfloat16)
+    (fits,) = pagedattn.api._programs_per_sm.values()
+    assert fits is not None and fits >= 1
+    print(f"{kv_dtype}: {fits} decode programs fit per SM; {4 * sms} planned")
+
+
+@requires_gpu
 def test_decode_with_plan_never_syncs(gen):
     cache, q = seed_step(4, 8192, 4, gen, kv_scale="per_token")
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)

@@ -182,3 +182,9 @@ def test_pdl_only_in_compiled_cuda_code_on_sm90_and_later():
     if ON_GPU:  # (and compiled: the GPU suite does not set TRITON_INTERPRET)
         want = torch.cuda.get_device_capability() >= (9, 0)
         assert pdl_supported(torch.device("cuda")) == want
+
+
+def test_programs_per_sm_is_none_without_a_compiled_cuda_kernel():
+    from pagedattn._kernels.common import programs_per_sm
+
+    assert programs_per_sm(object()) is None

@@ -13,7 +13,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import checks
-from ._kernels.common import CachedLaunch, interpreting, pdl_supported
+from ._kernels.common import CachedLaunch, interpreting, pdl_supported, programs_per_sm
 from ._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_kernel
 from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_kernel
@@ -425,13 +425,12 @@ def paged_decode(
             shape.head_dim // chunks,
         )
     k_desc, v_desc = descriptors or (k_cache, v_cache)
-    pdl = _PDL and pdl_supported(q.device)
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
     lse_stride = lse.stride(0) if lse is not None else 0
     # Without scales the kernel never reads these pointers; any tensor will do.
     k_scale_arg = k_scale if k_scale is not None else seq_lens
     v_scale_arg = v_scale if v_scale is not None else seq_lens
-    _decode_kernel[(plan.num_programs,)](
+    args = (
         q,
         *q.stride(),
         k_desc,
@@ -459,6 +458,8 @@ def paged_decode(
         sm_scale * LOG2E,
         sliding_window or 0,
         _trace,
+    )
+    constexprs = dict(
         QUERY_LEN=shape.query_len,
         GROUP=group,
         HEAD_DIM=shape.head_dim,
@@ -476,15 +477,38 @@ def paged_decode(
         UNMASKED_LOOP=config.unmasked_loop,
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
-        PDL=pdl,
         TRACE=_trace is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        launch_pdl=pdl,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
+    pdl = _PDL and pdl_supported(q.device) and _pdl_places_evenly(args, constexprs, plan)
+    _decode_kernel[(plan.num_programs,)](*args, **constexprs, PDL=pdl, launch_pdl=pdl)
     reduce_partials(plan, out, lse, config.reduce)
     return (out, lse) if return_lse else out
+
+
+# Per decode-kernel specialisation: how many of its programs fit on one SM at once.
+_programs_per_sm: dict[tuple, int | None] = {}
+
+
+def _pdl_places_evenly(args: tuple, constexprs: dict, plan: DecodePlan) -> bool:
+    """Whether the decode kernel may be launched early (PDL) without uneven SM shares: only
+    when its programs fill every SM exactly (the grid is SMs x the programs that fit on one),
+    so wherever they are placed first, each SM ends with the same number. Asks the CUDA
+    occupancy API once per specialisation (compiling the PDL variant without launching)."""
+    key = (
+        plan.device.index,
+        tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args),
+        tuple(sorted(constexprs.items())),
+    )
+    if key not in _programs_per_sm:
+        compiled = _decode_kernel.warmup(
+            *args, grid=(plan.num_programs,), **constexprs, PDL=True, launch_pdl=True
+        )
+        _programs_per_sm[key] = programs_per_sm(compiled)
+    fits = _programs_per_sm[key]
+    return fits is not None and fits * sm_count(plan.device) == plan.num_programs
 
 
 def reduce_partials(

@@ -1,5 +1,6 @@
 """Helpers shared by the Triton kernels."""
 
+import ctypes
 import functools
 import os
 
@@ -58,6 +59,28 @@ def pdl_supported(device: torch.device) -> bool:
 @functools.cache
 def _capability(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def programs_per_sm(compiled) -> int | None:
+    """How many programs of a compiled CUDA kernel fit on one SM at once (the CUDA occupancy
+    API, asked through the driver library), or None where that cannot be asked."""
+    try:
+        compiled._init_handles()
+        count = ctypes.c_int(0)
+        status = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(count),
+            ctypes.c_void_p(compiled.function),
+            ctypes.c_int(32 * compiled.metadata.num_warps),
+            ctypes.c_size_t(compiled.metadata.shared),
+        )
+    except (OSError, AttributeError, TypeError):
+        return None
+    return count.value if status == 0 else None
+
+
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
 
 
 class CachedLaunch:
