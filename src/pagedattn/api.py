@@ -51,11 +51,12 @@ _SCHEDULE_LOCALS = None
 _SCHEDULE_WARPS = None
 # Programmatic dependent launch (PDL) of the scheduler and the decode kernel, opt-in with
 # PAGEDATTN_PDL=1 in the environment (sm_90+): the scheduler lets the next kernel launch at
-# once, and a decode kernel so launched waits for the scheduler's results before reading
-# anything. Off by default: a persistent grid launched early is placed on whichever SMs are
-# free at the time, so where more of its programs fit on an SM than it plans for, SMs get
-# uneven shares (bf16 KV, q_len 1, batch 128: 1.10-1.16x slower), while the FP8 seed shapes
-# gain 0.987x in geometric mean, 1 x 1024 10.6 -> 9.2 µs (NOTES.md, step 44).
+# once, and the decode kernel, launched early, waits for the scheduler's results before
+# reading anything. A persistent grid launched early is placed on whichever SMs are free at
+# the time, so it is launched early only where its programs fill every SM exactly
+# (_pdl_places_evenly); without that guard bf16 KV at q_len 1 and batch 128 ran 1.10-1.16x
+# slower. With it: FP8 whole step 0.969x in geometric mean over 9 shapes, 1 x 1024 10.9 ->
+# 9.3 µs (NOTES.md, step 44). Off by default until a full benchmark run confirms it.
 _PDL = os.environ.get("PAGEDATTN_PDL", "0") == "1"
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
