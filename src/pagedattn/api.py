@@ -350,11 +350,10 @@ def paged_decode(
     At most two launches with a plan (decode, then the reducer for sequences split across
     programs) and no host sync: the call may be captured in a CUDA graph. With
     ``PAGEDATTN_PDL=1`` in the environment (opt-in, sm_90+) the decode kernel (like the
-    scheduler) is a programmatic dependent launch: it may launch before the kernel ahead of
-    it has finished, and waits for its results before reading anything (faster at small
-    batches; slower where more programs fit on an SM than the grid plans for: NOTES.md,
-    step 44). The result is
-    deterministic: the same inputs and plan give the same bits.
+    scheduler) is a programmatic dependent launch where its programs fill every SM exactly:
+    it may launch before the kernel ahead of it has finished, and waits for its results
+    before reading anything (NOTES.md, step 44). The result is deterministic: the same
+    inputs and plan give the same bits.
 
     Numerics, relative error ‖out − ref‖ / ‖ref‖ against the float64 reference on random data
     (bounded in ``tests/test_decode.py``): the computation adds about 2e-4 for FP8 and fp16
