@@ -188,3 +188,20 @@ def test_programs_per_sm_is_none_without_a_compiled_cuda_kernel():
     from pagedattn._kernels.common import programs_per_sm
 
     assert programs_per_sm(object()) is None
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(None, False), ("", False), ("0", False), ("off", False), ("1", True), (" On ", True)],
+)
+def test_pdl_switch_from_the_environment(value, expected):
+    from pagedattn.api import _pdl_from_env
+
+    assert _pdl_from_env(value) is expected
+
+
+def test_pdl_switch_warns_on_an_unknown_value():
+    from pagedattn.api import _pdl_from_env
+
+    with pytest.warns(UserWarning, match="PAGEDATTN_PDL: expected 1 or 0, got 'maybe'"):
+        assert _pdl_from_env("maybe") is False

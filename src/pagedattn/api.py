@@ -8,6 +8,7 @@ captured in one CUDA graph and replayed with new ``seq_lens``.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -49,6 +50,23 @@ _SCHEDULE_LOCALS = None
 # Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
 # benchmarks set it).
 _SCHEDULE_WARPS = None
+
+
+def _pdl_from_env(value: str | None) -> bool:
+    """``PAGEDATTN_PDL``: 1/true/yes/on turns PDL on; unset, empty, 0/false/no/off leave it
+    off; anything else leaves it off with a warning."""
+    text = (value or "").strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text not in ("", "0", "false", "no", "off"):
+        warnings.warn(
+            f"PAGEDATTN_PDL: expected 1 or 0, got {value!r}; programmatic dependent launch "
+            "stays off",
+            stacklevel=2,
+        )
+    return False
+
+
 # Programmatic dependent launch (PDL) of the scheduler and the decode kernel, opt-in with
 # PAGEDATTN_PDL=1 in the environment (sm_90+): the scheduler lets the next kernel launch at
 # once, and the decode kernel, launched early, waits for the scheduler's results before
@@ -57,7 +75,7 @@ _SCHEDULE_WARPS = None
 # (_pdl_places_evenly); without that guard bf16 KV at q_len 1 and batch 128 ran 1.10-1.16x
 # slower. With it: FP8 whole step 0.969x in geometric mean over 9 shapes, 1 x 1024 10.9 ->
 # 9.3 µs (NOTES.md, step 44). Off by default until a full benchmark run confirms it.
-_PDL = os.environ.get("PAGEDATTN_PDL", "0") == "1"
+_PDL = _pdl_from_env(os.environ.get("PAGEDATTN_PDL"))
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
