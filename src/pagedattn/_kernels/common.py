@@ -91,8 +91,9 @@ class CachedLaunch:
     Calls pass the runtime arguments (tensors and ints only) in the kernel's parameter order,
     then the constexpr values, in order. The key holds everything Triton specialises such
     arguments on (a tensor's dtype and 16-byte alignment; an int's being 1, its divisibility
-    by 16 and its width), so it is never coarser than Triton's own; the first call with a
-    new key goes through the JIT. Under the interpreter every call does.
+    by 16 and its width) and the launch options (warps, ``launch_pdl``), so it is never
+    coarser than Triton's own; the first call with a new key goes through the JIT. Under the
+    interpreter every call does.
     """
 
     def __init__(self, kernel):
