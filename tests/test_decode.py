@@ -297,19 +297,33 @@ def test_repeated_runs_are_bitwise_identical(gen):
 # ---------------------------------------------------------------- GPU only
 
 
-def seed_step(batch, context, query_len, gen, *, kv_scale="per_tensor"):
+def seed_step(batch, context, query_len, gen, *, kv_scale="per_tensor", kv_dtype=FP8):
+    """The seed's shape (16/1 heads, head_dim 128, page 1024): a cache and a bf16 query."""
     cache = pagedattn.build_paged_cache(
         [context] * batch,
         num_kv_heads=1,
         head_dim=128,
         page_size=1024,
-        kv_dtype=FP8,
+        kv_dtype=kv_dtype,
         kv_scale=kv_scale,
         device=DEVICE,
         generator=gen,
     )
     q = torch.randn(batch * query_len, 16, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
     return cache, q
+
+
+def seed_plan(cache, *, kv_dtype=FP8, kv_scale="per_tensor"):
+    """plan_decode for a query_len-1 ``seed_step`` cache, default grid and partition."""
+    return pagedattn.plan_decode(
+        cache.seq_lens,
+        num_q_heads=16,
+        num_kv_heads=1,
+        head_dim=128,
+        page_size=1024,
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
+    )
 
 
 @requires_gpu
@@ -396,29 +410,12 @@ def test_pdl_opt_in_asks_the_occupancy_and_stays_right(kv_dtype, gen, monkeypatc
     wave, and the result is right either way."""
     monkeypatch.setattr(pagedattn.api, "_PDL", True)
     monkeypatch.setattr(pagedattn.api, "_programs_per_sm", {})
-    cache = pagedattn.build_paged_cache(
-        [3000] * 8,
-        num_kv_heads=1,
-        head_dim=128,
-        page_size=1024,
-        kv_dtype=kv_dtype,
-        kv_scale="per_tensor" if kv_dtype == FP8 else None,
-        device=DEVICE,
-        generator=gen,
-    )
-    q = torch.randn(8, 16, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
+    kv_scale = "per_tensor" if kv_dtype == FP8 else None
+    cache, q = seed_step(8, 3000, 1, gen, kv_scale=kv_scale, kv_dtype=kv_dtype)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    plan = pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=16,
-        num_kv_heads=1,
-        head_dim=128,
-        page_size=1024,
-        kv_dtype=kv_dtype,
-        kv_scale="per_tensor" if kv_dtype == FP8 else None,
-    )
+    plan = seed_plan(cache, kv_dtype=kv_dtype, kv_scale=kv_scale)
     out = pagedattn.paged_decode(*args, plan=plan, **kw)
     assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(kv_dtype, torch.bfloat16)
     (fits,) = pagedattn.api._programs_per_sm.values()
@@ -483,15 +480,7 @@ def test_trace_stamps_follow_each_program(gen):
     from pagedattn._kernels.decode import TRACE_SLOTS, TRACE_WORKS
 
     cache, q = seed_step(16, 3000, 1, gen)
-    plan = pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=16,
-        num_kv_heads=1,
-        head_dim=128,
-        page_size=1024,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-    )
+    plan = seed_plan(cache)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
     trace = torch.zeros(plan.num_programs, TRACE_SLOTS, dtype=torch.int64, device=DEVICE)
