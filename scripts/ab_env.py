@@ -10,12 +10,17 @@ import sys
 from collections import defaultdict
 
 
+KEY = ("provider", "kv_dtype", "page_size", "batch", "context", "query_len", "kv_scale")
+
+
 def load(spec):
     rows = defaultdict(list)
     for path in spec.split(","):
         with open(path) as f:
             for r in csv.DictReader(f):
-                key = (r["provider"], r["batch"], r["context"], r["query_len"], r["kv_scale"])
+                if not r["us_p50"]:  # a provider that did not run this case
+                    continue
+                key = tuple(r[c] for c in KEY)
                 rows[key].append(float(r["us_p50"]))
     return {k: statistics.median(v) for k, v in rows.items()}
 
@@ -23,9 +28,9 @@ def load(spec):
 def main():
     a, b = load(sys.argv[1]), load(sys.argv[2])
     ratios = defaultdict(list)
-    print("| provider | batch | context | q_len | scale | A µs | B µs | B / A |")
-    print("|---|---|---|---|---|---|---|---|")
-    for key in sorted(a, key=lambda k: (k[0], int(k[1]), int(k[2]), int(k[3]), k[4])):
+    print("| provider | kv | page | batch | context | q_len | scale | A µs | B µs | B / A |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key in sorted(a, key=lambda k: (k[:3], int(k[3]), int(k[4]), int(k[5]), k[6])):
         if key in b:
             ratio = b[key] / a[key]
             ratios[key[0]].append(ratio)

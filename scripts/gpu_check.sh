@@ -2,9 +2,11 @@
 # Everything on the GPU machine in ONE call: tests at realistic sizes, compute-sanitizer on a
 # small decode, scheduler timing, the offline tuner, the side-by-side benchmark; a short
 # summary printed last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
-#   bash scripts/gpu_check.sh [tests|tune|bench|all|profile] [bench args...]
+#   bash scripts/gpu_check.sh [tests|tune|bench|all|profile|ab] [args...]
 # (profile: host time of the calls and the per-program decode trace; not part of all, which
-# already fills most of the 8 files a call brings back)
+# already fills most of the 8 files a call brings back. ab VAR: the seed, bf16 and page-16
+# benchmarks with VAR=0 and VAR=1 in turn, packed into $OUT/ab.tar.gz; compare the CSVs
+# with scripts/ab_env.py)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -53,6 +55,27 @@ if [[ $MODE == profile ]]; then
   summary+=("host: $(grep -E '^\| (plan_decode|paged_decode)' "$OUT/host.md" | tr '\n' ' ')")
   python3 scripts/trace_decode.py "$@" >"$OUT/trace.txt" 2>&1
   summary+=("trace: $(grep -E 'programs,' "$OUT/trace.txt" | tr '\n' ' ')")
+fi
+
+if [[ $MODE == ab ]]; then
+  VAR=$1
+  AB=/tmp/ab
+  mkdir -p $AB
+  for set in "seed --preset seed" \
+    "bf16 --batch 16,128 --context 8192,32768 --query-len 1,4 --kv-dtype bf16 --no-plots" \
+    "page16 --batch 16,128 --context 8192 --query-len 1,4 --kv-scale per_tensor,per_token --page-size 16,1024 --no-plots"; do
+    read -r name args <<<"$set"
+    for v in 0 1; do
+      # shellcheck disable=SC2086
+      env "$VAR=$v" python3 -m pagedattn bench --out "$AB/${VAR}_$v" --name "$name" $args \
+        >"$LOGS/bench_${name}_$v.log" 2>&1
+      summary+=("$name $VAR=$v rc $?")
+    done
+  done
+  tar -C $AB -czf "$OUT/ab.tar.gz" .
+  for name in seed bf16 page16; do
+    python3 scripts/ab_env.py "$AB/${VAR}_0/$name.csv" "$AB/${VAR}_1/$name.csv" | grep geomean
+  done
 fi
 
 echo "================ summary"
