@@ -9,7 +9,6 @@ import statistics
 import sys
 from collections import defaultdict
 
-
 KEY = ("provider", "kv_dtype", "page_size", "batch", "context", "query_len", "kv_scale")
 
 

@@ -341,8 +341,8 @@ def test_seed_workload(batch, context, query_len, kv_scale, gen):
 @requires_gpu
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
-    """Plan + decode + reduce captured once, replayed with new lengths; also with the opt-in
-    programmatic dependent launches (PAGEDATTN_PDL=1), on GPUs that have them."""
+    """Plan + decode + reduce captured once, replayed with new lengths; with programmatic
+    dependent launches (the default on GPUs that have them) and without (PAGEDATTN_PDL=0)."""
     monkeypatch.setattr(pagedattn.api, "_PDL", pdl)
     batch, query_len, max_len = 8, 2, 5000
     lens = [max_len] * batch
@@ -404,8 +404,8 @@ def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
 
 @requires_gpu
 @pytest.mark.parametrize("kv_dtype", [FP8, torch.bfloat16])
-def test_pdl_opt_in_asks_the_occupancy_and_stays_right(kv_dtype, gen, monkeypatch):
-    """With PAGEDATTN_PDL=1 the decode kernel asks how many of its programs fit on an SM (it
+def test_pdl_asks_the_occupancy_and_stays_right(kv_dtype, gen, monkeypatch):
+    """With PDL on the decode kernel asks how many of its programs fit on an SM (it
     is launched early only if they fill every SM exactly); the default grid must fit in one
     wave, and the result is right either way."""
     monkeypatch.setattr(pagedattn.api, "_PDL", True)

@@ -192,7 +192,7 @@ def test_programs_per_sm_is_none_without_a_compiled_cuda_kernel():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(None, False), ("", False), ("0", False), ("off", False), ("1", True), (" On ", True)],
+    [(None, True), ("", True), ("1", True), (" On ", True), ("0", False), (" Off ", False)],
 )
 def test_pdl_switch_from_the_environment(value, expected):
     from pagedattn.api import _pdl_from_env
@@ -204,4 +204,4 @@ def test_pdl_switch_warns_on_an_unknown_value():
     from pagedattn.api import _pdl_from_env
 
     with pytest.warns(UserWarning, match="PAGEDATTN_PDL: expected 1 or 0, got 'maybe'"):
-        assert _pdl_from_env("maybe") is False
+        assert _pdl_from_env("maybe") is True

@@ -53,28 +53,28 @@ _SCHEDULE_WARPS = None
 
 
 def _pdl_from_env(value: str | None) -> bool:
-    """``PAGEDATTN_PDL``: 1/true/yes/on turns PDL on; unset, empty, 0/false/no/off leave it
-    off; anything else leaves it off with a warning."""
+    """``PAGEDATTN_PDL``: unset, empty, 1/true/yes/on leave PDL on (the default); 0/false/no/off
+    turn it off; anything else leaves it on with a warning."""
     text = (value or "").strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text not in ("", "0", "false", "no", "off"):
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text not in ("", "1", "true", "yes", "on"):
         warnings.warn(
             f"PAGEDATTN_PDL: expected 1 or 0, got {value!r}; programmatic dependent launch "
-            "stays off",
+            "stays on",
             stacklevel=2,
         )
-    return False
+    return True
 
 
-# Programmatic dependent launch (PDL) of the scheduler and the decode kernel, opt-in with
-# PAGEDATTN_PDL=1 in the environment (sm_90+): the scheduler lets the next kernel launch at
-# once, and the decode kernel, launched early, waits for the scheduler's results before
-# reading anything. A persistent grid launched early is placed on whichever SMs are free at
-# the time, so it is launched early only where its programs fill every SM exactly
+# Programmatic dependent launch (PDL) of the scheduler and the decode kernel, on sm_90+ unless
+# PAGEDATTN_PDL=0 is in the environment: the scheduler lets the next kernel launch at once,
+# and the decode kernel, launched early, waits for the scheduler's results before reading
+# anything. A persistent grid launched early is placed on whichever SMs are free at the time,
+# so it is launched early only where its programs fill every SM exactly
 # (_pdl_places_evenly); without that guard bf16 KV at q_len 1 and batch 128 ran 1.10-1.16x
-# slower. With it: FP8 whole step 0.969x in geometric mean over 9 shapes, 1 x 1024 10.9 ->
-# 9.3 µs (NOTES.md, step 44). Off by default until a full benchmark run confirms it.
+# slower. With it, whole step against PDL off in the same run (NOTES.md, steps 44-45): seed
+# grid 0.981x in geometric mean (1 x 1024 10.7 -> 9.2 µs), bf16 0.999x, page 16 0.982x.
 _PDL = _pdl_from_env(os.environ.get("PAGEDATTN_PDL"))
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
@@ -366,11 +366,11 @@ def paged_decode(
     Notes
     -----
     At most two launches with a plan (decode, then the reducer for sequences split across
-    programs) and no host sync: the call may be captured in a CUDA graph. With
-    ``PAGEDATTN_PDL=1`` in the environment (opt-in, sm_90+) the decode kernel (like the
-    scheduler) is a programmatic dependent launch where its programs fill every SM exactly:
-    it may launch before the kernel ahead of it has finished, and waits for its results
-    before reading anything (NOTES.md, step 44). The result is deterministic: the same
+    programs) and no host sync: the call may be captured in a CUDA graph. On sm_90+ the
+    decode kernel (like the scheduler) is a programmatic dependent launch where its programs
+    fill every SM exactly: it may launch before the kernel ahead of it has finished, and
+    waits for its results before reading anything (NOTES.md, steps 44-45);
+    ``PAGEDATTN_PDL=0`` in the environment turns that off. The result is deterministic: the same
     inputs and plan give the same bits.
 
     Numerics, relative error ‖out − ref‖ / ‖ref‖ against the float64 reference on random data
