@@ -13,9 +13,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 LN2 = tl.constexpr(0.6931471805599453)
 
 
+# Triton picks its CPU interpreter for a kernel when the kernel is decorated, from
+# TRITON_INTERPRET; ours are all decorated on import, just after this module, so the choice
+# is read once here (not per call: an environment lookup costs host time on every launch).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs our kernels through its CPU interpreter (``TRITON_INTERPRET=1``
+    when pagedattn was imported)."""
+    return _INTERPRETING
 
 
 @triton.jit
@@ -51,9 +58,10 @@ def globaltimer():
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel launched while the one before it finishes,
     waiting in ``griddepcontrol.wait`` for its results): compiled CUDA code on sm_90+."""
-    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+    if _INTERPRETING or device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index
+    return _capability(index if index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -102,7 +110,7 @@ class CachedLaunch:
 
     def __call__(self, grid, args, constexprs, num_warps, launch_pdl=False):
         compiled = None
-        if not interpreting():
+        if not _INTERPRETING:
             key = (
                 torch.cuda.current_device(),
                 num_warps,
@@ -118,7 +126,7 @@ class CachedLaunch:
         if launch_pdl:
             kwargs["launch_pdl"] = True
         result = self.kernel[grid](*args, **kwargs, num_warps=num_warps)
-        if not interpreting():
+        if not _INTERPRETING:
             self.compiled[key] = result
 
 
