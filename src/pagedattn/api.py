@@ -500,7 +500,11 @@ def paged_decode(
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
-    pdl = _PDL and pdl_supported(q.device) and _pdl_places_evenly(args, constexprs, plan)
+    pdl = (
+        _PDL
+        and pdl_supported(q.device)
+        and _pdl_places_evenly(args, constexprs, plan, (q.dtype, k_cache.dtype, out.dtype))
+    )
     _decode_kernel[(plan.num_programs,)](*args, **constexprs, PDL=pdl, launch_pdl=pdl)
     reduce_partials(plan, out, lse, config.reduce)
     return (out, lse) if return_lse else out
@@ -510,23 +514,26 @@ def paged_decode(
 _programs_per_sm: dict[tuple, int | None] = {}
 
 
-def _pdl_places_evenly(args: tuple, constexprs: dict, plan: DecodePlan) -> bool:
+def _pdl_places_evenly(args: tuple, constexprs: dict, plan: DecodePlan, dtypes: tuple) -> bool:
     """Whether the decode kernel may be launched early (PDL) without uneven SM shares: only
     when its programs fill every SM exactly (the grid is SMs x the programs that fit on one),
     so wherever they are placed first, each SM ends with the same number. Asks the CUDA
-    occupancy API once per specialisation (compiling the PDL variant without launching)."""
-    key = (
-        plan.device.index,
-        tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args),
-        tuple(sorted(constexprs.items())),
-    )
-    if key not in _programs_per_sm:
+    occupancy API once per specialisation (compiling the PDL variant without launching).
+
+    The specialisation's key: the constexprs (in the fixed order ``paged_decode`` builds
+    them) and ``dtypes``, those of the query, the cache and the output (the scales' and the
+    LSE's follow from the constexprs); a few values, as this runs on every call."""
+    sms = sm_count(plan.device)
+    if plan.num_programs % sms:
+        return False
+    key = (plan.device.index, *dtypes, *constexprs.values())
+    fits = _programs_per_sm.get(key, -1)
+    if fits == -1:
         compiled = _decode_kernel.warmup(
             *args, grid=(plan.num_programs,), **constexprs, PDL=True, launch_pdl=True
         )
-        _programs_per_sm[key] = programs_per_sm(compiled)
-    fits = _programs_per_sm[key]
-    return fits is not None and fits * sm_count(plan.device) == plan.num_programs
+        fits = _programs_per_sm[key] = programs_per_sm(compiled)
+    return fits is not None and fits * sms == plan.num_programs
 
 
 def reduce_partials(
