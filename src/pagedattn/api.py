@@ -370,8 +370,8 @@ def paged_decode(
     decode kernel (like the scheduler) is a programmatic dependent launch where its programs
     fill every SM exactly: it may launch before the kernel ahead of it has finished, and
     waits for its results before reading anything (NOTES.md, steps 44-45);
-    ``PAGEDATTN_PDL=0`` in the environment turns that off. The result is deterministic: the same
-    inputs and plan give the same bits.
+    ``PAGEDATTN_PDL=0`` in the environment turns that off. The result is deterministic: the
+    same inputs and plan give the same bits.
 
     Numerics, relative error ‖out − ref‖ / ‖ref‖ against the float64 reference on random data
     (bounded in ``tests/test_decode.py``): the computation adds about 2e-4 for FP8 and fp16
