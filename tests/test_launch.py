@@ -205,3 +205,42 @@ def test_pdl_switch_warns_on_an_unknown_value():
 
     with pytest.warns(UserWarning, match="PAGEDATTN_PDL: expected 1 or 0, got 'maybe'"):
         assert _pdl_from_env("maybe") is True
+
+
+@pytest.mark.parametrize(
+    "num_programs, fits, early",
+    [(528, 4, True), (528, 5, False), (528, 3, False), (528, None, False), (529, 4, False)],
+)
+def test_decode_launches_early_only_when_its_programs_fill_every_sm(
+    num_programs, fits, early, monkeypatch
+):
+    """The PDL guard: early launch iff SMs x the programs that fit on one == the grid. The
+    occupancy is asked once per specialisation (here a stand-in for the compiled kernel's), and
+    not at all for a grid that is not a multiple of the SM count."""
+    import types
+
+    import pagedattn.api as api
+
+    asked = []
+
+    class Kernel:
+        def warmup(self, *args, **kwargs):
+            asked.append(kwargs)
+            return "compiled"
+
+    monkeypatch.setattr(api, "_decode_kernel", Kernel())
+    monkeypatch.setattr(api, "programs_per_sm", lambda compiled: fits)
+    monkeypatch.setattr(api, "sm_count", lambda device: 132)
+    monkeypatch.setattr(api, "_programs_per_sm", {})
+    plan = types.SimpleNamespace(device=torch.device("cpu"), num_programs=num_programs)
+    constexprs = dict(BLOCK_N=128, num_warps=2)
+    dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16)
+    for _ in range(2):
+        assert api._pdl_places_evenly((), constexprs, plan, dtypes) is early
+    if num_programs % 132:
+        assert asked == []
+    else:
+        assert len(asked) == 1 and asked[0]["PDL"] and asked[0]["launch_pdl"]
+        other = dict(constexprs, BLOCK_N=64)  # another specialisation asks again
+        api._pdl_places_evenly((), other, plan, dtypes)
+        assert len(asked) == 2
