@@ -34,6 +34,7 @@ ENV_COLUMNS = [
     "torch",
     "triton",
     "pagedattn",
+    "pdl",  # programmatic dependent launch in effect (pagedattn.api.pdl_enabled)
     "flashinfer",
     "date",
 ]
@@ -103,6 +104,12 @@ def write_csv(rows: Iterable[dict], path: Path, peers: Sequence[str]) -> Path:
 def read_csv(path: Path) -> list[dict]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def _pdl_note(pdl) -> str:
+    if pdl is None:
+        return ""
+    return f" (programmatic dependent launch {'on' if pdl in (True, 'True') else 'off'})"
 
 
 def _cell(row: dict | None) -> str:
@@ -183,7 +190,8 @@ def write_markdown(
         f"Measured on {env.get('gpu', '?')}, {env.get('date', '?')}: read ceiling "
         f"{gbps('read_ceiling_gbps')}, copy {gbps('copy_ceiling_gbps')}, measured in the same run.",
         f"torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, pagedattn "
-        f"{env.get('pagedattn', '?')}, FlashInfer {env.get('flashinfer') or 'not installed'}.",
+        f"{env.get('pagedattn', '?')}{_pdl_note(env.get('pdl'))}, FlashInfer "
+        f"{env.get('flashinfer') or 'not installed'}.",
         "Times: median µs per call of CUDA-graph replays over rotated KV copies (larger than L2), "
         "random data; % of the read ceiling counts the KV bytes (and per-token scales) read. "
         f"`{main} vs <peer>` is peer time / {main} time (> 1: {main} is faster). "

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import pagedattn
+from pagedattn.api import pdl_enabled
 
 from . import report
 from .cases import (
@@ -251,6 +252,7 @@ def environment(ceilings: Ceilings | None) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "pagedattn": pagedattn.__version__,
+        "pdl": torch.cuda.is_available() and pdl_enabled(torch.device("cuda")),
         "flashinfer": flashinfer_version,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "read_ceiling_gbps": ceilings.read_gbps if ceilings else None,

@@ -326,6 +326,7 @@ ENV = dict(
     torch="2.x",
     triton="3.6",
     pagedattn="0.1.0",
+    pdl=True,
     flashinfer="0.6.6",
     date="2026-11-30T00:00:00+00:00",
     read_ceiling_gbps=4500.0,
@@ -403,6 +404,7 @@ def test_csv_has_the_columns_and_round_trips(tmp_path):
         "torch",
         "triton",
         "pagedattn",
+        "pdl",
         "flashinfer",
         "date",
     ]
@@ -425,6 +427,7 @@ def test_markdown_table_has_one_row_per_case(tmp_path):
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 3
     assert "pagedattn vs flashinfer" in table[0] and "NVIDIA H200" in text
+    assert "pagedattn 0.1.0 (programmatic dependent launch on)" in text
     assert "| 16 x 8192 | 1 | fp8 per_tensor | 1024 | 33.6 | 20.0 (" in table[2]
     assert "1.75x" in table[2]
     assert "skipped" in table[3] and "WRONG" in table[4] and "64 x 256..32768" in table[4]

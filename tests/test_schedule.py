@@ -8,7 +8,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedattn
-from pagedattn._kernels.common import pdl_supported
 from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy
 from pagedattn.tuning.launch import (
     default_grid_multiplier,
@@ -403,6 +402,6 @@ def test_repeated_plans_reuse_the_compiled_launch(monkeypatch):
     if ON_GPU:
         keys = list(_launch_schedule.compiled)
         assert sorted(k[2][1] for k in keys) == [7, 8]  # NUM_PROGRAMS, one kernel each
-        # Programmatic dependent launch only when opted in and the GPU has it (sm_90+).
-        pdl = pagedattn.api._PDL and pdl_supported(torch.device(DEVICE))
+        # Programmatic dependent launch when on (the default) and the GPU has it (sm_90+).
+        pdl = pagedattn.api.pdl_enabled(torch.device(DEVICE))
         assert all(k[-1] == pdl and k[2][-1] == pdl for k in keys)

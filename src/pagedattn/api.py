@@ -76,6 +76,16 @@ def _pdl_from_env(value: str | None) -> bool:
 # slower. With it, whole step against PDL off in the same run (NOTES.md, steps 44-45): seed
 # grid 0.981x in geometric mean (1 x 1024 10.7 -> 9.2 µs), bf16 0.999x, page 16 0.982x.
 _PDL = _pdl_from_env(os.environ.get("PAGEDATTN_PDL"))
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether :func:`plan_decode` and :func:`paged_decode` use programmatic dependent launch
+    on ``device``: on sm_90+ unless ``PAGEDATTN_PDL=0`` (benchmarks record it with their
+    results). The decode kernel is then launched early only where its grid fills every SM
+    exactly."""
+    return _PDL and pdl_supported(device)
+
+
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -226,7 +236,7 @@ def plan_decode(
             f"({num_programs // num_kv_heads})"
         )
     grid = num_programs // locals_
-    pdl = _PDL and pdl_supported(device)
+    pdl = pdl_enabled(device)
     _launch_schedule(
         (grid,),
         (seq_lens, plan.metadata, batch, plan.max_works, plan.max_reduces),
@@ -500,10 +510,8 @@ def paged_decode(
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
-    pdl = (
-        _PDL
-        and pdl_supported(q.device)
-        and _pdl_places_evenly(args, constexprs, plan, (q.dtype, k_cache.dtype, out.dtype))
+    pdl = pdl_enabled(q.device) and _pdl_places_evenly(
+        args, constexprs, plan, (q.dtype, k_cache.dtype, out.dtype)
     )
     _decode_kernel[(plan.num_programs,)](*args, **constexprs, PDL=pdl, launch_pdl=pdl)
     reduce_partials(plan, out, lse, config.reduce)
