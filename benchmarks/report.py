@@ -109,7 +109,7 @@ def read_csv(path: Path) -> list[dict]:
 def _pdl_note(pdl) -> str:
     if pdl is None:
         return ""
-    return f" (programmatic dependent launch {'on' if pdl in (True, 'True') else 'off'})"
+    return f" (programmatic dependent launch {'on' if pdl else 'off'})"
 
 
 def _cell(row: dict | None) -> str:
