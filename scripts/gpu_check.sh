@@ -71,11 +71,9 @@ if [[ $MODE == ab ]]; then
         >"$LOGS/bench_${name}_$v.log" 2>&1
       summary+=("$name $VAR=$v rc $?")
     done
-  done
-  tar -C $AB -czf "$OUT/ab.tar.gz" .
-  for name in seed bf16 page16; do
     python3 scripts/ab_env.py "$AB/${VAR}_0/$name.csv" "$AB/${VAR}_1/$name.csv" | grep geomean
   done
+  tar -C $AB -czf "$OUT/ab.tar.gz" .
 fi
 
 echo "================ summary"
