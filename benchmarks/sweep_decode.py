@@ -18,6 +18,7 @@ import torch
 import pagedattn
 from benchmarks.ceiling import measure_read_gbps
 from benchmarks.timing import time_graph
+from pagedattn.reference import paged_decode_torch
 from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
 
 FP8 = torch.float8_e4m3fn
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument(
         "--flags",
         default="11",
-        help="unmasked_loop,qk_fp16 bit pairs per config, e.g. 11,10,01,00",
+        help="unmasked_loop,qk_fp16[,qk_fp8] bits per config, e.g. 11,10,01,00,111",
     )
     parser.add_argument("--q-dtype", default="bfloat16")
     parser.add_argument("--stages", default="2")
@@ -57,6 +58,11 @@ def main() -> None:
         default="auto",
         help="reducer tiles, ';'-separated: auto (the default heuristic) or "
         "block_r:block_d:slot_block:stages:warps",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also print each config's relative error against the float64 reference",
     )
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -85,6 +91,9 @@ def main() -> None:
         nbytes = kv_bytes(lens, 1, 128, kv_dtype.itemsize, kv_scale == "per_token")
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        ref = None
+        if args.check:
+            ref = paged_decode_torch(*a, **kw).double()
         best = None
         grids = (
             [int(x) for x in args.programs.split(",")]
@@ -122,6 +131,7 @@ def main() -> None:
                 tma=pf,
                 unmasked_loop=flags[0] == "1",
                 qk_fp16=flags[1] == "1",
+                qk_fp8=flags[2:3] == "1",
                 head_chunk=chunk,
                 maxnreg=regs or None,
                 reduce=None
@@ -136,6 +146,11 @@ def main() -> None:
                     f"{shape} programs {programs} {cfg}: failed: {type(exc).__name__}: {exc}"[:200]
                 )
                 continue
+            if ref is not None:
+                out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=device)
+                step(out=out)
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                print(f"{shape} flags {flags} chunk {chunk}: rel err {err:.3e}")
             gbps = nbytes / (ms * 1e-3) / 1e9
             row = (
                 shape,

@@ -17,13 +17,14 @@ from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
 FP8 = torch.float8_e4m3fn
 
 
-def tolerance(kv_dtype, out_dtype):
+def tolerance(kv_dtype, out_dtype, fp8_qk=False):
     """Relative-error bounds (measured in NOTES.md; about 3x margin).
 
-    The P V dot takes P in bf16 for a bf16 cache (~2e-3) and fp16 otherwise (~2e-4); the
-    output's own rounding adds ~2e-3 for bf16 and ~3e-4 for fp16.
+    The P V dot takes P in bf16 for a bf16 cache (~2e-3) and fp16 otherwise (~2e-4); Q K^T
+    on FP8 tensor cores (``fp8_qk``) adds ~9e-4 (H200); the output's own rounding adds ~2e-3
+    for bf16 and ~3e-4 for fp16.
     """
-    compute = 6e-3 if kv_dtype == torch.bfloat16 else 1e-3
+    compute = 6e-3 if kv_dtype == torch.bfloat16 else 3e-3 if fp8_qk else 1e-3
     rounding = {torch.bfloat16: 6e-3, torch.float16: 1e-3, torch.float32: 0.0}[out_dtype]
     return compute + rounding
 
@@ -112,6 +113,28 @@ CASES = {
         kv_scale="per_token",
         launch=DecodeLaunchConfig(
             block_n=16, num_warps=4, num_stages=2, unmasked_loop=False, qk_fp16=False
+        ),
+    ),
+    # Q K^T on e4m3 tensor cores (the query as two e4m3 terms); q_len 4 x 16 heads = 64 rows,
+    # the warpgroup tile where the compiled code uses FP8 wgmma.
+    "qk-fp8-tensor-qlen4": Case(
+        (90, 33),
+        query_len=4,
+        num_q_heads=16,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        out_dtype=torch.float32,
+        launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, qk_fp8=True),
+    ),
+    "qk-fp8-token-chunk32-window": Case(
+        (70, 20),
+        query_len=2,
+        num_q_heads=8,
+        kv_dtype=FP8,
+        kv_scale="per_token",
+        window=25,
+        launch=DecodeLaunchConfig(
+            block_n=16, num_warps=4, num_stages=2, qk_fp8=True, head_chunk=32
         ),
     ),
     "chunk16-fp8-token-qlen3": Case(
@@ -219,7 +242,8 @@ def run_case(case: Case, gen, scale_lens: int = 1):
         got, ref_out = result, ref
     assert got is out
     err = rel_err(got, ref_out)
-    assert err < tolerance(case.kv_dtype, out_dtype), f"rel err {err:.3e}"
+    fp8_qk = case.launch is not None and case.launch.qk_fp8
+    assert err < tolerance(case.kv_dtype, out_dtype, fp8_qk), f"rel err {err:.3e}"
     return plan, got
 
 
@@ -336,6 +360,24 @@ def test_seed_workload(batch, context, query_len, kv_scale, gen):
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     out = pagedattn.paged_decode(*args, **kw)
     assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(FP8, torch.bfloat16)
+
+
+@requires_gpu
+def test_fp8_keys_as_stored_and_exact_qk(gen):
+    """The seed's q_len 4 per-tensor step takes Q K^T on FP8 tensor cores by default (its
+    result differs from the exact path's) within its own bound; ``exact_qk=True`` keeps the
+    exact path's bound. float32 outputs, so no output rounding hides either error."""
+    cache, q = seed_step(8, 8192, 4, gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    ref = paged_decode_torch(*args, **kw)
+    outs = {}
+    for exact in (False, True):
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        outs[exact] = pagedattn.paged_decode(*args, out=out, exact_qk=exact, **kw)
+    assert not torch.equal(outs[False], outs[True])
+    assert rel_err(outs[False], ref) < tolerance(FP8, torch.float32, fp8_qk=True)
+    assert rel_err(outs[True], ref) < tolerance(FP8, torch.float32)
 
 
 @requires_gpu

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from conftest import ON_GPU
+from conftest import DEVICE, ON_GPU
 
+import pagedattn
 from pagedattn.tuning.launch import (
     DecodeLaunchConfig,
     ReduceLaunchConfig,
@@ -33,6 +34,84 @@ def test_launch_config_small_and_large_row_counts():
     assert bf16.num_stages == 3  # 16-bit tiles: two buffers would halve the programs per SM
     wide = decode_launch_config(head_dim=256, rows=16, kv_dtype=FP8, partition_size=256)
     assert wide.block_n == 64 and head_chunks(wide, 256) == 4
+
+
+@pytest.mark.parametrize(
+    "head_dim, rows, kv_dtype, kv_scale, expected",
+    [
+        (128, 64, FP8, "per_tensor", True),  # q_len 4 x 16 heads, the measured case
+        (128, 48, FP8, None, True),  # q_len 3 x 16: a 64-row tile too
+        (128, 64, FP8, "per_token", False),  # one program per SM would fit
+        (128, 32, FP8, "per_tensor", False),  # no FP8 tensor-core tile for 32 rows
+        (128, 128, FP8, "per_tensor", False),  # measured slower
+        (128, 16, FP8, "per_tensor", False),
+        (64, 64, FP8, "per_tensor", False),  # not measured
+        (128, 64, torch.bfloat16, None, False),
+    ],
+)
+def test_launch_config_takes_fp8_keys_as_stored_where_measured_faster(
+    head_dim, rows, kv_dtype, kv_scale, expected
+):
+    config = decode_launch_config(
+        head_dim=head_dim, rows=rows, kv_dtype=kv_dtype, partition_size=256, kv_scale=kv_scale
+    )
+    assert config.qk_fp8 is expected
+
+
+@pytest.mark.parametrize("exact_qk", [False, True])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, monkeypatch):
+    """The kernel takes FP8 keys as stored only for a bf16 query and without ``exact_qk``
+    (the launch's constexprs, captured by a stand-in for the decode kernel)."""
+    import pagedattn.api as api
+
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs)
+
+    monkeypatch.setattr(api, "_decode_kernel", Kernel())
+    monkeypatch.setattr(api, "reduce_partials", lambda *args: None)
+    monkeypatch.setattr(api, "pdl_enabled", lambda device: False)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cache = pagedattn.build_paged_cache(
+        [40, 9],
+        num_kv_heads=1,
+        head_dim=128,
+        page_size=16,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        device=DEVICE,
+        generator=gen,
+    )
+    q = torch.randn(8, 16, 128, generator=gen, device=DEVICE).to(
+        q_dtype
+    )  # q_len 4 x 16 heads: 64 rows
+    plan = pagedattn.plan_decode(
+        cache.seq_lens,
+        num_q_heads=16,
+        num_kv_heads=1,
+        head_dim=128,
+        page_size=16,
+        query_len=4,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        num_programs=4,
+    )
+    pagedattn.paged_decode(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_table,
+        cache.seq_lens,
+        plan=plan,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        exact_qk=exact_qk,
+    )
+    (kwargs,) = launched
+    assert kwargs["QK_FP8"] is (q_dtype == torch.bfloat16 and not exact_qk)
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,25 @@ def _load_chunk(
 
 
 @triton.jit
+def _round_4_bits(x):
+    """float32 ``x`` rounded (to nearest even) to 4 significant bits, on its bits: exact, so no
+    conversion's rounding (nor the interpreter's, which rounds some values wrongly) matters."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_e4m3(q, row_scale):
+    """``q / row_scale[:, None]`` as ``hi + lo``, two e4m3 tensors: hi keeps 4 significant
+    bits, lo the next 4, so a bf16 value (8 bits) whose lo is an e4m3 normal is exact."""
+    x = q.to(tl.float32) / row_scale[:, None]
+    hi = _round_4_bits(x)
+    lo = _round_4_bits(x - hi)
+    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
+
+
+@triton.jit
 def _token_scales(scale_ptr, offsets, tok_ok, MASKED: tl.constexpr):
     """Per-token scales of a tile (0 past the work's end in a masked tile)."""
     if MASKED:
@@ -96,6 +115,7 @@ def _token_scales(scale_ptr, offsets, tok_ok, MASKED: tl.constexpr):
 def _qk_chunk(
     s,
     q,
+    q_lo,
     k_desc,
     k_ptr,
     k_row,
@@ -110,9 +130,11 @@ def _qk_chunk(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
+    QK_FP8: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """``s + Q[:, chunk C] K[:, chunk C]^T`` (``s`` None: the first chunk)."""
+    """``s + Q[:, chunk C] K[:, chunk C]^T`` (``s`` None: the first chunk). With ``QK_FP8``
+    the query chunk is the e4m3 pair ``q + q_lo`` and the FP8 keys enter the dot as stored."""
     k = _load_chunk(
         k_desc,
         k_ptr,
@@ -129,6 +151,9 @@ def _qk_chunk(
         USE_TMA,
         MASKED,
     )
+    if QK_FP8:
+        kt = tl.trans(k)
+        return dot_any(q_lo, kt, DOT_FP32, dot_any(q, kt, DOT_FP32, s))
     return dot_any(q, tl.trans(k.to(q.dtype)), DOT_FP32, s)
 
 
@@ -192,6 +217,10 @@ def _attend_tile(
     q1,
     q2,
     q3,
+    ql0,
+    ql1,
+    ql2,
+    ql3,
     q_row_scale,
     pos,
     start,
@@ -232,6 +261,7 @@ def _attend_tile(
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
     QK_FP16: tl.constexpr,
+    QK_FP8: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """One K/V tile of tokens ``start + offs_n`` through the online softmax.
@@ -267,6 +297,7 @@ def _attend_tile(
     s = _qk_chunk(
         None,
         q0,
+        ql0,
         k_desc,
         k_ptr,
         k_row,
@@ -281,12 +312,14 @@ def _attend_tile(
         BLOCK_N,
         DOT_FP32,
         USE_TMA,
+        QK_FP8,
         MASKED,
     )
     if CHUNKS >= 2:
         s = _qk_chunk(
             s,
             q1,
+            ql1,
             k_desc,
             k_ptr,
             k_row,
@@ -301,12 +334,14 @@ def _attend_tile(
             BLOCK_N,
             DOT_FP32,
             USE_TMA,
+            QK_FP8,
             MASKED,
         )
     if CHUNKS >= 4:
         s = _qk_chunk(
             s,
             q2,
+            ql2,
             k_desc,
             k_ptr,
             k_row,
@@ -321,11 +356,13 @@ def _attend_tile(
             BLOCK_N,
             DOT_FP32,
             USE_TMA,
+            QK_FP8,
             MASKED,
         )
         s = _qk_chunk(
             s,
             q3,
+            ql3,
             k_desc,
             k_ptr,
             k_row,
@@ -340,9 +377,10 @@ def _attend_tile(
             BLOCK_N,
             DOT_FP32,
             USE_TMA,
+            QK_FP8,
             MASKED,
         )
-    if QK_FP16:
+    if QK_FP16 or QK_FP8:
         s = s * q_row_scale[:, None]
     if SCALE_MODE == 2:
         ks = _token_scales(
@@ -532,6 +570,7 @@ def _decode_kernel(
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
     QK_FP16: tl.constexpr,
+    QK_FP8: tl.constexpr,  # FP8 K only: Q K^T on e4m3 tensor cores, the query as two e4m3 terms
     UNMASKED_LOOP: tl.constexpr,
     CHUNKS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -593,7 +632,30 @@ def _decode_kernel(
         if CHUNKS >= 4:
             q2 = _load_q_chunk(q_row, stride_q_dim, row_ok, 2, DC)
             q3 = _load_q_chunk(q_row, stride_q_dim, row_ok, 3, DC)
-        if QK_FP16:
+        ql0 = q0
+        ql1 = q0
+        ql2 = q0
+        ql3 = q0
+        if QK_FP8:
+            # The keys enter the dot as stored (no conversion); the query becomes hi + lo, two
+            # e4m3 terms after a power-of-two row scaling that puts the row's largest value in
+            # (128, 256]: hi keeps 4 significant bits, lo the next 4 (bf16 holds 8), so
+            # Q K^T costs two e4m3 dots; the scale comes back on S.
+            amax = tl.max(tl.abs(q0.to(tl.float32)), axis=1)
+            if CHUNKS >= 2:
+                amax = tl.maximum(amax, tl.max(tl.abs(q1.to(tl.float32)), axis=1))
+            if CHUNKS >= 4:
+                amax = tl.maximum(amax, tl.max(tl.abs(q2.to(tl.float32)), axis=1))
+                amax = tl.maximum(amax, tl.max(tl.abs(q3.to(tl.float32)), axis=1))
+            amax = tl.maximum(amax, 1e-30)
+            q_row_scale = tl.exp2(tl.ceil(tl.log2(amax)) - 8.0)
+            q0, ql0 = _split_e4m3(q0, q_row_scale)
+            if CHUNKS >= 2:
+                q1, ql1 = _split_e4m3(q1, q_row_scale)
+            if CHUNKS >= 4:
+                q2, ql2 = _split_e4m3(q2, q_row_scale)
+                q3, ql3 = _split_e4m3(q3, q_row_scale)
+        elif QK_FP16:
             # A bf16 query meets the FP8 keys in fp16, whose e4m3 conversion is one instruction
             # per pair (bf16's takes several). Exact: each row is scaled by a power of two
             # so its largest value stays below 2^15; the scale comes back on S.
@@ -657,6 +719,10 @@ def _decode_kernel(
                     q1,
                     q2,
                     q3,
+                    ql0,
+                    ql1,
+                    ql2,
+                    ql3,
                     q_row_scale,
                     pos,
                     start,
@@ -697,6 +763,7 @@ def _decode_kernel(
                     DOT_FP32,
                     USE_TMA,
                     QK_FP16,
+                    QK_FP8,
                     phase == 1,
                 )
 

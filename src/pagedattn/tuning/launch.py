@@ -57,6 +57,8 @@ class DecodeLaunchConfig:
     tma: bool = True  # bulk tensor copies when a page holds a whole tile and strides allow
     unmasked_loop: bool = True  # full tiles skip masks; only the tail tiles are masked
     qk_fp16: bool = True  # a bf16 query meets FP8 keys in fp16 (exact; cheaper conversion)
+    # FP8 keys enter Q K^T as stored (e4m3 tensor cores), a bf16 query as two e4m3 terms
+    qk_fp8: bool = False
     # Q, K, V and the accumulator are cut along head_dim into chunks this wide (1, 2 or 4
     # chunks), so one chunk of the converted K/V tile is live in registers at a time.
     head_chunk: int = 64
@@ -70,19 +72,35 @@ def default_grid_multiplier(rows: int) -> int:
 
 
 def decode_launch_config(
-    *, head_dim: int, rows: int, kv_dtype: torch.dtype, partition_size: int
+    *,
+    head_dim: int,
+    rows: int,
+    kv_dtype: torch.dtype,
+    partition_size: int,
+    kv_scale: str | None = None,
 ) -> DecodeLaunchConfig:
     """Tile shape for the decode kernel (the caller caps ``block_n`` at the partition size, and
     uses bulk copies only when a page holds a whole tile). Measured on the H200 (NOTES.md,
     sessions 2-3): 128-token FP8 tiles cut into 64-wide head_dim chunks; 2 warps for <= 16
     rows, else 4 warps and, for FP8, 5 stages (with the page-id load in the loop, Triton
     double-buffers the tiles from 5 on). 16-bit caches take 64-token tiles: 128-token ones
-    need 74 KB of shared memory, so only 3 of the 4 programs per SM fit (two waves)."""
+    need 74 KB of shared memory, so only 3 of the 4 programs per SM fit (two waves).
+
+    ``qk_fp8`` (FP8 keys as stored in Q K^T) where it was measured faster (NOTES.md, step
+    49): 33-64 rows (one warpgroup tile of 64 rows), head_dim 128, per-tensor or no scales;
+    4-12% at q_len 3-4 x 16 heads. Not with per-token scales (the extra shared memory leaves
+    one program per SM), <= 32 rows (no FP8 tensor-core path) or 128 rows (slower)."""
     block_n = 128 if head_dim <= 128 and kv_dtype == torch.float8_e4m3fn else 64
     if rows <= SMALL_ROWS:
         return DecodeLaunchConfig(block_n=block_n, num_warps=2, num_stages=3)
     stages = 5 if kv_dtype == torch.float8_e4m3fn else 3
-    return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages)
+    qk_fp8 = (
+        kv_dtype == torch.float8_e4m3fn
+        and kv_scale != "per_token"
+        and head_dim == 128
+        and 32 < rows <= 64
+    )
+    return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, qk_fp8=qk_fp8)
 
 
 def default_partition(*, batch: int, max_seq_len: int | None, programs_per_head: int) -> int:
