@@ -259,6 +259,34 @@ def test_split_sequences_are_reduced(gen):
     assert plan.reduce_items()
 
 
+@pytest.mark.parametrize("qk_fp8", [False, True], ids=["qk-fp16", "qk-fp8"])
+def test_query_rows_far_outside_fp16_range(qk_fp8, gen):
+    """The bf16 query reaches FP8 keys through a per-row power-of-two scaling (into fp16, or
+    into two e4m3 terms): rows of magnitude 1e6 (past fp16's range) and 1e-6 (near its
+    subnormals) come out as exact as rows of magnitude 1."""
+    lens = [45, 20]
+    cache = pagedattn.build_paged_cache(
+        [n * (40 if ON_GPU else 1) for n in lens],
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        device=DEVICE,
+        generator=gen,
+    )
+    q = torch.randn(8, 16, 64, generator=gen, device=DEVICE)
+    magnitude = torch.tensor([1e6, 1e-6, 1.0, 3e4], device=DEVICE).repeat(2)
+    q = (q * magnitude[:, None, None]).to(torch.bfloat16)  # q_len 4: 64 rows per kv head
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, sm_scale=1e-6)
+    launch = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, qk_fp8=qk_fp8)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
+    err = rel_err(out, paged_decode_torch(*args, **kw))
+    assert err < tolerance(FP8, torch.float32, fp8_qk=qk_fp8), f"rel err {err:.3e}"
+
+
 def test_plan_made_internally(gen):
     cache = pagedattn.build_paged_cache(
         [30, 5], num_kv_heads=2, head_dim=64, page_size=8, device=DEVICE, generator=gen

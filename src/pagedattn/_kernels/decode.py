@@ -93,13 +93,27 @@ def _round_4_bits(x):
 
 
 @triton.jit
-def _split_e4m3(q, row_scale):
-    """``q / row_scale[:, None]`` as ``hi + lo``, two e4m3 tensors: hi keeps 4 significant
+def _split_e4m3(q, inv_scale):
+    """``q * inv_scale[:, None]`` as ``hi + lo``, two e4m3 tensors: hi keeps 4 significant
     bits, lo the next 4, so a bf16 value (8 bits) whose lo is an e4m3 normal is exact."""
-    x = q.to(tl.float32) / row_scale[:, None]
+    x = q.to(tl.float32) * inv_scale[:, None]
     hi = _round_4_bits(x)
     lo = _round_4_bits(x - hi)
     return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
+
+
+@triton.jit
+def _pow2_row_scale(amax, TOP: tl.constexpr, UPSCALE: tl.constexpr):
+    """Per row, a power of two ``scale`` (and its exact inverse) with ``amax / scale`` in
+    ``[2^(TOP - 1), 2^TOP)``; without ``UPSCALE`` never below 1 (rows already small stay
+    as they are). Built on the exponent bits: no division, no rounding."""
+    bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True)  # a normal float32
+    e = ((bits >> 23) & 0xFF) - 127 + 1 - TOP  # floor(log2(amax)) + 1 - TOP
+    if not UPSCALE:
+        e = tl.maximum(e, 0)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
 
 
 @triton.jit
@@ -636,41 +650,33 @@ def _decode_kernel(
         ql1 = q0
         ql2 = q0
         ql3 = q0
-        if QK_FP8:
-            # The keys enter the dot as stored (no conversion); the query becomes hi + lo, two
-            # e4m3 terms after a power-of-two row scaling that puts the row's largest value in
-            # (128, 256]: hi keeps 4 significant bits, lo the next 4 (bf16 holds 8), so
-            # Q K^T costs two e4m3 dots; the scale comes back on S.
+        if QK_FP8 or QK_FP16:
+            # Each row is scaled by a power of two (exactly; the scale comes back on S).
+            # QK_FP8: the keys enter the dot as stored (no conversion) and the query as hi +
+            # lo, two e4m3 terms, its largest value in [128, 256): hi keeps 4 significant
+            # bits, lo the next 4 (bf16 holds 8); Q K^T costs two e4m3 dots. QK_FP16: a bf16
+            # query meets the keys in fp16, whose e4m3 conversion is one instruction per pair
+            # (bf16's takes several), its largest value below 2^15.
             amax = tl.max(tl.abs(q0.to(tl.float32)), axis=1)
             if CHUNKS >= 2:
                 amax = tl.maximum(amax, tl.max(tl.abs(q1.to(tl.float32)), axis=1))
             if CHUNKS >= 4:
                 amax = tl.maximum(amax, tl.max(tl.abs(q2.to(tl.float32)), axis=1))
                 amax = tl.maximum(amax, tl.max(tl.abs(q3.to(tl.float32)), axis=1))
-            amax = tl.maximum(amax, 1e-30)
-            q_row_scale = tl.exp2(tl.ceil(tl.log2(amax)) - 8.0)
-            q0, ql0 = _split_e4m3(q0, q_row_scale)
-            if CHUNKS >= 2:
-                q1, ql1 = _split_e4m3(q1, q_row_scale)
-            if CHUNKS >= 4:
-                q2, ql2 = _split_e4m3(q2, q_row_scale)
-                q3, ql3 = _split_e4m3(q3, q_row_scale)
-        elif QK_FP16:
-            # A bf16 query meets the FP8 keys in fp16, whose e4m3 conversion is one instruction
-            # per pair (bf16's takes several). Exact: each row is scaled by a power of two
-            # so its largest value stays below 2^15; the scale comes back on S.
-            amax = tl.max(tl.abs(q0.to(tl.float32)), axis=1)
-            if CHUNKS >= 2:
-                amax = tl.maximum(amax, tl.max(tl.abs(q1.to(tl.float32)), axis=1))
-            if CHUNKS >= 4:
-                amax = tl.maximum(amax, tl.max(tl.abs(q2.to(tl.float32)), axis=1))
-                amax = tl.maximum(amax, tl.max(tl.abs(q3.to(tl.float32)), axis=1))
-            amax = tl.maximum(amax, 1e-30)
-            q_row_scale = tl.exp2(tl.maximum(tl.ceil(tl.log2(amax)) - 15.0, 0.0))
-            q0 = (q0.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
-            q1 = (q1.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
-            q2 = (q2.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
-            q3 = (q3.to(tl.float32) / q_row_scale[:, None]).to(tl.float16)
+            if QK_FP8:
+                q_row_scale, inv = _pow2_row_scale(amax, 8, True)
+                q0, ql0 = _split_e4m3(q0, inv)
+                if CHUNKS >= 2:
+                    q1, ql1 = _split_e4m3(q1, inv)
+                if CHUNKS >= 4:
+                    q2, ql2 = _split_e4m3(q2, inv)
+                    q3, ql3 = _split_e4m3(q3, inv)
+            else:
+                q_row_scale, inv = _pow2_row_scale(amax, 15, False)
+                q0 = (q0.to(tl.float32) * inv[:, None]).to(tl.float16)
+                q1 = (q1.to(tl.float32) * inv[:, None]).to(tl.float16)
+                q2 = (q2.to(tl.float32) * inv[:, None]).to(tl.float16)
+                q3 = (q3.to(tl.float32) * inv[:, None]).to(tl.float16)
         else:
             q_row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
         # Absolute position of each query row; it attends keys <= pos (and > pos - window).
