@@ -394,10 +394,11 @@ def paged_decode(
     2e-3 for a bf16 cache (P meets V in bf16). Rounding the result to the output dtype adds
     about 2e-3 (bf16) or 3e-4 (fp16); a float32 ``out=`` adds none. One faster path changes
     the arithmetic: with a bf16 query, FP8 keys, head_dim 128, 33-64 query rows per kv head
-    (``query_len x group``, e.g. q_len 3-4 with 16 heads per kv head) and per-tensor or no
-    scales, Q K^T runs on FP8 tensor cores with the keys as stored and the query split
-    exactly into two e4m3 terms; their accumulation is less precise than float32, so the
-    computation adds about 9e-4 instead of 2e-4 (H200). ``exact_qk=True`` turns it off.
+    (``query_len x group``, e.g. q_len 3-4 with 16 heads per kv head), Q K^T runs on FP8
+    tensor cores with the keys as stored and the query split into two e4m3 terms (exact but
+    for values ~2^9 below their row's largest); the tensor cores accumulate them less
+    precisely than float32, so the computation adds about 9e-4 instead of 2e-4 (H200).
+    ``exact_qk=True`` turns it off.
     """
     shape = checks.check_decode_args(
         q,

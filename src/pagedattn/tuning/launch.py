@@ -86,20 +86,18 @@ def decode_launch_config(
     double-buffers the tiles from 5 on). 16-bit caches take 64-token tiles: 128-token ones
     need 74 KB of shared memory, so only 3 of the 4 programs per SM fit (two waves).
 
-    ``qk_fp8`` (FP8 keys as stored in Q K^T) where it was measured faster (NOTES.md, step
-    49): 33-64 rows (one warpgroup tile of 64 rows), head_dim 128, per-tensor or no scales;
-    4-12% at q_len 3-4 x 16 heads. Not with per-token scales (the extra shared memory leaves
-    one program per SM), <= 32 rows (no FP8 tensor-core path) or 128 rows (slower)."""
-    block_n = 128 if head_dim <= 128 and kv_dtype == torch.float8_e4m3fn else 64
+    ``qk_fp8`` (FP8 keys as stored in Q K^T) where it was measured faster (NOTES.md, steps
+    49 and 51): 33-64 rows (one warpgroup tile of 64 rows) and head_dim 128; 4-12% at q_len
+    3-4 x 16 heads with per-tensor scales. With per-token scales, 5 stages would take 117 KB
+    of shared memory (one program per SM), so 4 (a single buffer): 8-9% faster than the
+    exact path's 5 stages at >= 134 MB. Not for <= 32 rows (no FP8 tensor-core path) or 128
+    rows (slower)."""
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    block_n = 128 if head_dim <= 128 and fp8 else 64
     if rows <= SMALL_ROWS:
         return DecodeLaunchConfig(block_n=block_n, num_warps=2, num_stages=3)
-    stages = 5 if kv_dtype == torch.float8_e4m3fn else 3
-    qk_fp8 = (
-        kv_dtype == torch.float8_e4m3fn
-        and kv_scale != "per_token"
-        and head_dim == 128
-        and 32 < rows <= 64
-    )
+    qk_fp8 = fp8 and head_dim == 128 and 32 < rows <= 64
+    stages = (4 if qk_fp8 and kv_scale == "per_token" else 5) if fp8 else 3
     return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, qk_fp8=qk_fp8)
 
 
