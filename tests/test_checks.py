@@ -768,6 +768,27 @@ DECODE_CASES = [
         r"sm_scale: expected a float, got bool",
     ),
     (
+        "return_lse_not_bool",
+        {},
+        lambda a: {"return_lse": 1},
+        TypeError,
+        r"return_lse: expected a bool, got int",
+    ),
+    (
+        "debug_not_bool",
+        {},
+        lambda a: {"debug": "yes"},
+        TypeError,
+        r"debug: expected a bool, got str",
+    ),
+    (
+        "exact_qk_not_bool",
+        {},
+        lambda a: {"exact_qk": None},
+        TypeError,
+        r"exact_qk: expected a bool, got NoneType",
+    ),
+    (
         "sliding_window_0",
         {},
         lambda a: {"sliding_window": 0},

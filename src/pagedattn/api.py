@@ -413,6 +413,7 @@ def paged_decode(
         kv_layout=kv_layout,
         sliding_window=sliding_window,
         out=out,
+        flags=(("return_lse", return_lse), ("debug", debug), ("exact_qk", exact_qk)),
     )
     if debug:
         checks.check_values(block_table, seq_lens, shape)

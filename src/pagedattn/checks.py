@@ -193,8 +193,13 @@ def check_decode_args(
     kv_layout,
     sliding_window,
     out,
+    flags=(),
 ) -> DecodeShape:
-    """Checks :func:`pagedattn.paged_decode`'s arguments; returns the decoded shape."""
+    """Checks :func:`pagedattn.paged_decode`'s arguments; returns the decoded shape.
+    ``flags``: (name, value) pairs of its bool switches."""
+    for name, value in flags:
+        if not isinstance(value, bool):
+            _fail(TypeError, name, "a bool", type(value).__name__)
     if kv_layout not in KV_LAYOUTS:
         _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     batch = check_seq_lens(seq_lens)
