@@ -137,6 +137,19 @@ CASES = {
             block_n=16, num_warps=4, num_stages=2, qk_fp8=True, head_chunk=32
         ),
     ),
+    "qk-fp8-four-chunks-hnd": Case(
+        (50, 17),
+        query_len=4,
+        num_q_heads=16,
+        head_dim=128,
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        kv_layout="HND",
+        out_dtype=torch.float32,
+        launch=DecodeLaunchConfig(
+            block_n=16, num_warps=4, num_stages=2, qk_fp8=True, head_chunk=32
+        ),
+    ),
     "chunk16-fp8-token-qlen3": Case(
         (90, 33, 3),
         query_len=3,
