@@ -57,7 +57,8 @@ class DecodeLaunchConfig:
     tma: bool = True  # bulk tensor copies when a page holds a whole tile and strides allow
     unmasked_loop: bool = True  # full tiles skip masks; only the tail tiles are masked
     qk_fp16: bool = True  # a bf16 query meets FP8 keys in fp16 (exact; cheaper conversion)
-    # FP8 keys enter Q K^T as stored (e4m3 tensor cores), a bf16 query as two e4m3 terms
+    # FP8 keys enter Q K^T as stored (e4m3 tensor cores), a bf16 query as two e4m3 terms;
+    # like qk_fp16, it applies to FP8 keys with a bf16 query only (ignored otherwise)
     qk_fp8: bool = False
     # Q, K, V and the accumulator are cut along head_dim into chunks this wide (1, 2 or 4
     # chunks), so one chunk of the converted K/V tile is live in registers at a time.
