@@ -17,6 +17,7 @@ import torch
 
 import pagedattn
 from benchmarks.ceiling import measure_read_gbps
+from benchmarks.run import rel_error
 from benchmarks.timing import time_graph
 from pagedattn.reference import paged_decode_torch
 from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
@@ -93,7 +94,7 @@ def main() -> None:
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         ref = None
         if args.check:
-            ref = paged_decode_torch(*a, **kw).double()
+            ref = paged_decode_torch(*a, **kw)
         best = None
         grids = (
             [int(x) for x in args.programs.split(",")]
@@ -149,7 +150,7 @@ def main() -> None:
             if ref is not None:
                 out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=device)
                 step(out=out)
-                err = ((out.double() - ref).norm() / ref.norm()).item()
+                err = rel_error(out, ref)
                 print(f"{shape} flags {flags} chunk {chunk}: rel err {err:.3e}")
             gbps = nbytes / (ms * 1e-3) / 1e9
             row = (

@@ -88,9 +88,8 @@ def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, mon
         device=DEVICE,
         generator=gen,
     )
-    q = torch.randn(8, 16, 128, generator=gen, device=DEVICE).to(
-        q_dtype
-    )  # q_len 4 x 16 heads: 64 rows
+    # q_len 4 x 16 heads: 64 rows per kv head
+    q = torch.randn(8, 16, 128, generator=gen, device=DEVICE).to(q_dtype)
     plan = pagedattn.plan_decode(
         cache.seq_lens,
         num_q_heads=16,

@@ -470,6 +470,8 @@ def paged_decode(
     # Without scales the kernel never reads these pointers; any tensor will do.
     k_scale_arg = k_scale if k_scale is not None else seq_lens
     v_scale_arg = v_scale if v_scale is not None else seq_lens
+    # Both Q K^T alternatives to the query dtype apply to FP8 keys with a bf16 query only.
+    fp8_keys_bf16_query = shape.kv_dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
     args = (
         q,
         *q.stride(),
@@ -511,13 +513,8 @@ def paged_decode(
         WRITE_LSE=return_lse,
         DOT_FP32=interpreting(),
         USE_TMA=descriptors is not None,
-        QK_FP16=config.qk_fp16
-        and shape.kv_dtype == torch.float8_e4m3fn
-        and q.dtype == torch.bfloat16,
-        QK_FP8=config.qk_fp8
-        and not exact_qk
-        and shape.kv_dtype == torch.float8_e4m3fn
-        and q.dtype == torch.bfloat16,
+        QK_FP16=config.qk_fp16 and fp8_keys_bf16_query,
+        QK_FP8=config.qk_fp8 and fp8_keys_bf16_query and not exact_qk,
         UNMASKED_LOOP=config.unmasked_loop,
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
