@@ -300,6 +300,39 @@ def test_query_rows_far_outside_fp16_range(qk_fp8, gen):
     assert err < tolerance(FP8, torch.float32, fp8_qk=qk_fp8), f"rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_per_token_v_scales_far_apart(query_len, gen):
+    """Per-token V scales 2^-14 to 2^-20 times the cache builder's (~7e-3), changing from
+    one K/V tile to the next: P times the scales (~4e-7, an fp16 subnormal) stays normal in
+    fp16, taken relative to each tile's largest scale, and the accumulator changes unit
+    exactly between tiles."""
+    lens = [70, 33]
+    cache = pagedattn.build_paged_cache(
+        [n * (40 if ON_GPU else 1) for n in lens],
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        kv_dtype=FP8,
+        kv_scale="per_token",
+        device=DEVICE,
+        generator=gen,
+    )
+    # One factor per page; a 16-token tile is one page.
+    factor = 2.0 ** torch.tensor([-14.0, -17.0, -14.0, -20.0, -15.0], device=DEVICE)
+    pages = torch.arange(cache.v_scale.shape[0], device=DEVICE)
+    view = [-1] + [1] * (cache.v_scale.dim() - 1)
+    v_scale = cache.v_scale * factor[pages % len(factor)].view(view)
+    q = torch.randn(len(lens) * query_len, 16, 64, generator=gen, device=DEVICE)
+    q = q.to(torch.bfloat16)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(k_scale=cache.k_scale, v_scale=v_scale, sm_scale=0.05)
+    launch = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
+    err = rel_err(out, paged_decode_torch(*args, **kw))
+    assert err < tolerance(FP8, torch.float32), f"rel err {err:.3e}"
+
+
 def test_plan_made_internally(gen):
     cache = pagedattn.build_paged_cache(
         [30, 5], num_kv_heads=2, head_dim=64, page_size=8, device=DEVICE, generator=gen

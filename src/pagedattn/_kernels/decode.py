@@ -176,7 +176,6 @@ def _pv_chunk(
     o,
     p,
     alpha,
-    vs_max,
     v_desc,
     v_ptr,
     v_row,
@@ -189,12 +188,11 @@ def _pv_chunk(
     DC: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """``o * alpha + P V[:, chunk C]`` (times the tile's V scale with per-token scales)."""
+    """``o * alpha + P V[:, chunk C]``."""
     v = _load_chunk(
         v_desc,
         v_ptr,
@@ -213,16 +211,14 @@ def _pv_chunk(
     ).to(p.dtype)
     if USE_TMA and MASKED:
         v = tl.where(tok_ok[:, None], v, 0.0)
-    if SCALE_MODE == 2:
-        return o * alpha[:, None] + dot_any(p, v, DOT_FP32) * vs_max
-    else:
-        return dot_any(p, v, DOT_FP32, o * alpha[:, None])
+    return dot_any(p, v, DOT_FP32, o * alpha[:, None])
 
 
 @triton.jit
 def _attend_tile(
     m_i,
     l_i,
+    v_norm,
     o0,
     o1,
     o2,
@@ -283,7 +279,9 @@ def _attend_tile(
     Q, K, V and the accumulator are split along head_dim into ``CHUNKS`` chunks (1, 2 or 4;
     unused ``q``/``o`` arguments pass through untouched), so only one chunk of the converted
     K or V tile is live in registers at a time. MASKED=False is the hot path: every key of the
-    tile is valid for every row.
+    tile is valid for every row. With per-token scales the accumulator holds the output divided
+    by ``v_norm`` (the last tile's largest V scale; see below); otherwise ``v_norm`` passes
+    through.
     """
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     # P (in [0, 1]) meets V in fp16 unless V is bf16: e4m3 and fp16 values are exact in fp16,
@@ -430,18 +428,21 @@ def _attend_tile(
             tok_ok,
             MASKED,
         )
-        # Normalise by the tile's largest scale so p * vs stays out of fp16 subnormals.
+        # p * vs is taken relative to the tile's largest scale, so it stays out of fp16
+        # subnormals; the accumulator is kept in units of the last tile's (v_norm), so the
+        # change of unit joins alpha and the dot still accumulates in place.
         vs_max = tl.max(vs, axis=0)
         vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
-        p = (p * (vs / vs_max)[None, :]).to(pv_dtype)
+        inv_vs_max = 1.0 / vs_max
+        alpha = alpha * (v_norm * inv_vs_max)
+        v_norm = vs_max
+        p = (p * (vs * inv_vs_max)[None, :]).to(pv_dtype)
     else:
-        vs_max = 1.0
         p = p.to(pv_dtype)
     o0 = _pv_chunk(
         o0,
         p,
         alpha,
-        vs_max,
         v_desc,
         v_ptr,
         v_row,
@@ -454,7 +455,6 @@ def _attend_tile(
         DC,
         PAGE_SIZE,
         BLOCK_N,
-        SCALE_MODE,
         DOT_FP32,
         USE_TMA,
         MASKED,
@@ -464,7 +464,6 @@ def _attend_tile(
             o1,
             p,
             alpha,
-            vs_max,
             v_desc,
             v_ptr,
             v_row,
@@ -477,7 +476,6 @@ def _attend_tile(
             DC,
             PAGE_SIZE,
             BLOCK_N,
-            SCALE_MODE,
             DOT_FP32,
             USE_TMA,
             MASKED,
@@ -487,7 +485,6 @@ def _attend_tile(
             o2,
             p,
             alpha,
-            vs_max,
             v_desc,
             v_ptr,
             v_row,
@@ -500,7 +497,6 @@ def _attend_tile(
             DC,
             PAGE_SIZE,
             BLOCK_N,
-            SCALE_MODE,
             DOT_FP32,
             USE_TMA,
             MASKED,
@@ -509,7 +505,6 @@ def _attend_tile(
             o3,
             p,
             alpha,
-            vs_max,
             v_desc,
             v_ptr,
             v_row,
@@ -522,12 +517,11 @@ def _attend_tile(
             DC,
             PAGE_SIZE,
             BLOCK_N,
-            SCALE_MODE,
             DOT_FP32,
             USE_TMA,
             MASKED,
         )
-    return m_new, l_i, o0, o1, o2, o3
+    return m_new, l_i, v_norm, o0, o1, o2, o3
 
 
 @triton.jit
@@ -690,6 +684,7 @@ def _decode_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        v_norm = tl.full([], 1.0, tl.float32)  # per-token V scales: the accumulator's unit
         o0 = tl.zeros([BLOCK_M, DC], tl.float32)
         o1 = o0
         o2 = o0
@@ -714,9 +709,10 @@ def _decode_kernel(
                 end = token_end
             # The masked tail is at most a tile or two: not pipelined, so it adds no registers.
             for start in tl.range(begin, end, BLOCK_N, num_stages=NUM_STAGES if phase == 0 else 1):
-                m_i, l_i, o0, o1, o2, o3 = _attend_tile(
+                m_i, l_i, v_norm, o0, o1, o2, o3 = _attend_tile(
                     m_i,
                     l_i,
+                    v_norm,
                     o0,
                     o1,
                     o2,
@@ -779,7 +775,10 @@ def _decode_kernel(
                 tl.store(trace_work + 2, globaltimer())
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        o_scale = v_scale / l_safe
+        if SCALE_MODE == 2:
+            o_scale = v_norm / l_safe
+        else:
+            o_scale = v_scale / l_safe
         if slot < 0:
             o_row = out_ptr + q_tok * stride_o_tok + q_head * stride_o_head
             _store_rows(o_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)
