@@ -8,9 +8,12 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import DEVICE, ON_GPU, rel_err, requires_gpu
 
 import pagedattn
+from pagedattn._kernels.decode import _split_e4m3
 from pagedattn.reference import paged_decode_torch
 from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
 
@@ -611,3 +614,34 @@ def test_trace_stamps_follow_each_program(gen):
             stamps += [t[p, 2 + 3 * i], t[p, 3 + 3 * i], t[p, 4 + 3 * i]]
         stamps.append(t[p, 1])
         assert stamps == sorted(stamps), (p, stamps)
+
+
+@triton.jit
+def _split_kernel(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)[None, :]
+    hi, lo = _split_e4m3(x, tl.full([1], 1.0, tl.float32))
+    tl.store(hi_ptr + offs[None, :], hi)
+    tl.store(lo_ptr + offs[None, :], lo)
+
+
+def test_query_split_into_two_e4m3_terms_is_exact():
+    """Every bf16 value of magnitude 2^-2 to 2^8 (a query row after its power-of-two scaling
+    keeps its largest in [128, 256)) is hi + lo exactly, both e4m3 (the FP8 Q K^T path)."""
+    exponent = torch.arange(-2, 8).repeat_interleave(128)
+    mantissa = torch.arange(128).repeat(10)
+    bits = ((exponent + 127) << 7) | mantissa
+    x = torch.cat([bits, bits | 0x8000]).to(torch.int16).view(torch.bfloat16)
+    n = x.numel()  # 2560; pad to a power of two with zeros
+    xs = torch.zeros(4096, dtype=torch.bfloat16)
+    xs[:n] = x
+    xs = xs.to(DEVICE)
+    hi = torch.empty(4096, dtype=FP8, device=DEVICE)
+    lo = torch.empty(4096, dtype=FP8, device=DEVICE)
+    _split_kernel[(1,)](xs, hi, lo, N=4096)
+    total = hi.double() + lo.double()
+    assert torch.equal(total, xs.double()), (
+        xs[total != xs.double()][:5],
+        total[total != xs.double()][:5],
+    )
+    assert (hi.double().abs() >= lo.double().abs()).all()

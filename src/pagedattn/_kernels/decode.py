@@ -84,21 +84,21 @@ def _load_chunk(
 
 
 @triton.jit
-def _round_4_bits(x):
-    """float32 ``x`` rounded (to nearest even) to 4 significant bits, on its bits: exact, so no
-    conversion's rounding (nor the interpreter's, which rounds some values wrongly) matters."""
-    b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000
-    return b.to(tl.float32, bitcast=True)
+def _truncate_4_bits(x):
+    """float32 ``x`` cut to its 4 leading significant bits (toward zero), on its bits: one
+    AND, and no conversion's rounding (nor the interpreter's, which rounds some values
+    wrongly) is involved."""
+    return (x.to(tl.int32, bitcast=True) & -0x100000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _split_e4m3(q, inv_scale):
-    """``q * inv_scale[:, None]`` as ``hi + lo``, two e4m3 tensors: hi keeps 4 significant
-    bits, lo the next 4, so a bf16 value (8 bits) whose lo is an e4m3 normal is exact."""
+    """``q * inv_scale[:, None]`` as ``hi + lo``, two e4m3 tensors: hi keeps the 4 leading
+    significant bits and lo the rest, which for a bf16 value (8 bits) is a multiple of its
+    last bit below hi's, so 4 bits too: exact whenever lo is an e4m3 normal."""
     x = q.to(tl.float32) * inv_scale[:, None]
-    hi = _round_4_bits(x)
-    lo = _round_4_bits(x - hi)
+    hi = _truncate_4_bits(x)
+    lo = x - hi
     return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
 
 
