@@ -19,6 +19,7 @@ import torch
 
 import pagedattn
 from pagedattn.api import pdl_enabled
+from pagedattn.reference import rel_error
 
 from . import report
 from .cases import (
@@ -46,17 +47,6 @@ class UsageError(ValueError):
 
 
 # -- inputs --
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; inf when ``out`` holds NaN or infinity."""
-    out = out.double()
-    ref = ref.double().to(out.device)
-    if out.shape != ref.shape:
-        raise ValueError(f"output: expected shape {tuple(ref.shape)}, got {tuple(out.shape)}")
-    if not bool(torch.isfinite(out).all()):
-        return float("inf")
-    return float((out - ref).norm() / ref.norm())
 
 
 def make_cache(case: Case, device: torch.device, generator: torch.Generator | None = None):

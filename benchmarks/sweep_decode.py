@@ -17,9 +17,8 @@ import torch
 
 import pagedattn
 from benchmarks.ceiling import measure_read_gbps
-from benchmarks.run import rel_error
 from benchmarks.timing import time_graph
-from pagedattn.reference import paged_decode_torch
+from pagedattn.reference import paged_decode_torch, rel_error
 from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
 
 FP8 = torch.float8_e4m3fn

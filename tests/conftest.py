@@ -22,15 +22,6 @@ requires_gpu = pytest.mark.skipif(
 )
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere in out gives inf."""
-    out = out.double()
-    ref = ref.double().to(out.device)
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return float((out - ref).norm() / ref.norm())
-
-
 @pytest.fixture
 def gen(request):
     """A generator seeded from the test's id: fresh data per case, reproducible per run."""

@@ -18,7 +18,7 @@ import torch
 
 import pagedattn
 from pagedattn.cache import FP8_DTYPE, build_paged_cache
-from pagedattn.reference import paged_decode_torch
+from pagedattn.reference import paged_decode_torch, rel_error
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # As tensors report it (cuda:0 on a GPU), for matching messages.
@@ -109,13 +109,6 @@ def _reference(args: dict):
     kwargs = {k: v for k, v in args.items() if k not in ("plan", "out", "debug")}
     positional = [kwargs.pop(n) for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens")]
     return paged_decode_torch(*positional, **kwargs)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double().to(out.device)
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return float((out - ref).norm() / ref.norm())
 
 
 def _esc(text: str) -> str:
@@ -945,7 +938,7 @@ def _wrong_or_rejected(args: dict, name: str) -> None:
     except ValueError as err:
         assert re.search(rf"{name}: expected .*stride", str(err)), str(err)
         return
-    assert _rel_err(out, _reference(args)) < TOL
+    assert rel_error(out, _reference(args)) < TOL
 
 
 def test_paged_decode_block_table_column_stride():
@@ -1029,7 +1022,7 @@ def test_debug_accepts_bad_page_id_in_unused_column(page_id):
     args["block_table"] = args["block_table"].clone()
     args["block_table"][0, 2] = page_id
     out = _decode(args, debug=True, plan=pagedattn.plan_decode(args["seq_lens"], **_plan_kwargs()))
-    assert _rel_err(out, _reference(args)) < TOL
+    assert rel_error(out, _reference(args)) < TOL
 
 
 # --------------------------------------------------------------------------------------------
@@ -1071,10 +1064,10 @@ def test_paged_decode_accepts_valid_arguments(options, extra):
     assert out.dtype == (extra["out"].dtype if "out" in extra else args["q"].dtype)
     assert lse.shape == args["q"].shape[:2] and lse.dtype == FP32
     ref = _reference({**args, **extra})
-    assert _rel_err(out, ref) < TOL
+    assert rel_error(out, ref) < TOL
 
 
 def test_paged_decode_plans_itself_without_plan():
     args = _inputs()
     out = _decode(args)
-    assert _rel_err(out, _reference(args)) < TOL
+    assert rel_error(out, _reference(args)) < TOL

@@ -10,11 +10,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import DEVICE, ON_GPU, rel_err, requires_gpu
+from conftest import DEVICE, ON_GPU, requires_gpu
 
 import pagedattn
 from pagedattn._kernels.decode import _split_e4m3
-from pagedattn.reference import paged_decode_torch
+from pagedattn.reference import paged_decode_torch, rel_error
 from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
 
 FP8 = torch.float8_e4m3fn
@@ -253,11 +253,11 @@ def run_case(case: Case, gen, scale_lens: int = 1):
     if case.lse:
         (got, lse), (ref_out, ref_lse) = result, ref
         assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
-        assert rel_err(lse, ref_lse) < 1e-5
+        assert rel_error(lse, ref_lse) < 1e-5
     else:
         got, ref_out = result, ref
     assert got is out
-    err = rel_err(got, ref_out)
+    err = rel_error(got, ref_out)
     fp8_qk = case.launch is not None and case.launch.qk_fp8
     assert err < tolerance(case.kv_dtype, out_dtype, fp8_qk), f"rel err {err:.3e}"
     return plan, got
@@ -299,7 +299,7 @@ def test_query_rows_far_outside_fp16_range(qk_fp8, gen):
     launch = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, qk_fp8=qk_fp8)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
     pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
-    err = rel_err(out, paged_decode_torch(*args, **kw))
+    err = rel_error(out, paged_decode_torch(*args, **kw))
     assert err < tolerance(FP8, torch.float32, fp8_qk=qk_fp8), f"rel err {err:.3e}"
 
 
@@ -332,7 +332,7 @@ def test_per_token_v_scales_far_apart(query_len, gen):
     launch = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
     pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
-    err = rel_err(out, paged_decode_torch(*args, **kw))
+    err = rel_error(out, paged_decode_torch(*args, **kw))
     assert err < tolerance(FP8, torch.float32), f"rel err {err:.3e}"
 
 
@@ -344,7 +344,7 @@ def test_plan_made_internally(gen):
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     out = pagedattn.paged_decode(*args)
     assert out.dtype == q.dtype and out.shape == q.shape
-    assert rel_err(out, paged_decode_torch(*args)) < tolerance(torch.bfloat16, torch.bfloat16)
+    assert rel_error(out, paged_decode_torch(*args)) < tolerance(torch.bfloat16, torch.bfloat16)
 
 
 def test_empty_batch():
@@ -388,7 +388,7 @@ def test_repeated_runs_are_bitwise_identical(gen):
     kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale, return_lse=True)
     first_out, first_lse = pagedattn.paged_decode(*args, **kw)
     ref = paged_decode_torch(*args, k_scale=cache.k_scale, v_scale=cache.v_scale)
-    assert rel_err(first_out, ref) < tolerance(FP8, torch.bfloat16)
+    assert rel_error(first_out, ref) < tolerance(FP8, torch.bfloat16)
     for _ in range(20 if ON_GPU else 3):
         out = torch.full_like(first_out, float("nan"))
         _, lse = pagedattn.paged_decode(*args, out=out, **kw)
@@ -436,7 +436,7 @@ def test_seed_workload(batch, context, query_len, kv_scale, gen):
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     out = pagedattn.paged_decode(*args, **kw)
-    assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(FP8, torch.bfloat16)
+    assert rel_error(out, paged_decode_torch(*args, **kw)) < tolerance(FP8, torch.bfloat16)
 
 
 @requires_gpu
@@ -453,8 +453,8 @@ def test_fp8_keys_as_stored_and_exact_qk(gen):
         out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
         outs[exact] = pagedattn.paged_decode(*args, out=out, exact_qk=exact, **kw)
     assert not torch.equal(outs[False], outs[True])
-    assert rel_err(outs[False], ref) < tolerance(FP8, torch.float32, fp8_qk=True)
-    assert rel_err(outs[True], ref) < tolerance(FP8, torch.float32)
+    assert rel_error(outs[False], ref) < tolerance(FP8, torch.float32, fp8_qk=True)
+    assert rel_error(outs[True], ref) < tolerance(FP8, torch.float32)
 
 
 @requires_gpu
@@ -516,7 +516,7 @@ def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
         out.fill_(float("nan"))
         graph.replay()
         ref = paged_decode_torch(q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, **kw)
-        assert rel_err(out, ref) < tolerance(FP8, torch.bfloat16), f"replay {trial}"
+        assert rel_error(out, ref) < tolerance(FP8, torch.bfloat16), f"replay {trial}"
         chosen.append(plans[-1].step_partition_size())
     assert chosen[1] == 256 and chosen[3] == 128, chosen  # 5000 tokens > 32 x 128; all short
 
@@ -536,7 +536,7 @@ def test_pdl_asks_the_occupancy_and_stays_right(kv_dtype, gen, monkeypatch):
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     plan = seed_plan(cache, kv_dtype=kv_dtype, kv_scale=kv_scale)
     out = pagedattn.paged_decode(*args, plan=plan, **kw)
-    assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(kv_dtype, torch.bfloat16)
+    assert rel_error(out, paged_decode_torch(*args, **kw)) < tolerance(kv_dtype, torch.bfloat16)
     (fits,) = pagedattn.api._programs_per_sm.values()
     print(f"{kv_dtype}: {fits} decode programs fit per SM; {plan.num_programs} planned")
     assert fits is not None and plan.num_programs <= fits * sms and fits <= 32
@@ -589,7 +589,7 @@ def test_cache_over_4gib_with_high_page_ids(gen):
     args = (q, k, v, table, seq_lens)
     kw = dict(k_scale=k_scale, v_scale=v_scale)
     out = pagedattn.paged_decode(*args, debug=True, **kw)
-    assert rel_err(out, paged_decode_torch(*args, **kw)) < tolerance(FP8, torch.bfloat16)
+    assert rel_error(out, paged_decode_torch(*args, **kw)) < tolerance(FP8, torch.bfloat16)
 
 
 @requires_gpu

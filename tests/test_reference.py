@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.cache import FP8_DTYPE, build_paged_cache
-from pagedattn.reference import dequantize_kv, paged_decode_torch
+from pagedattn.reference import dequantize_kv, paged_decode_torch, rel_error
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 RTOL = 1e-10  # both sides are float64; only summation order differs
@@ -173,10 +173,6 @@ def _oracle(q, cache, query_len, sm_scale=None, sliding_window=None):
     return torch.cat(outs), torch.cat(lses)
 
 
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm())
-
-
 def _run(q, cache, case: Case, **overrides):
     kwargs = {
         "sm_scale": case.sm_scale,
@@ -205,8 +201,8 @@ def test_matches_token_by_token_oracle(name, case):
     assert out.shape == q.shape
     assert lse.shape == q.shape[:2]
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    assert _relative_error(out, expected_out) <= RTOL
-    assert _relative_error(lse, expected_lse) <= RTOL
+    assert rel_error(out, expected_out) <= RTOL
+    assert rel_error(lse, expected_lse) <= RTOL
 
 
 def test_without_lse_returns_only_out():
@@ -375,5 +371,5 @@ def test_runs_on_the_tensors_device():
     )
     out_gpu, lse_gpu = _run(q.cuda(), on_gpu, case)
     assert out_gpu.is_cuda
-    assert _relative_error(out_gpu.cpu(), out) <= RTOL
-    assert _relative_error(lse_gpu.cpu(), lse) <= RTOL
+    assert rel_error(out_gpu.cpu(), out) <= RTOL
+    assert rel_error(lse_gpu.cpu(), lse) <= RTOL

@@ -28,7 +28,7 @@ def demo(args: argparse.Namespace) -> int:
     import torch
 
     import pagedattn
-    from pagedattn.reference import paged_decode_torch
+    from pagedattn.reference import paged_decode_torch, rel_error
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
@@ -67,7 +67,7 @@ def demo(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     ref = paged_decode_torch(*args_, **kw)
-    err = float((out.double() - ref).norm() / ref.norm())
+    err = rel_error(out, ref)
     works = plan.work_items()
     split = len({(w.seq, w.kv_head) for w in works if w.partial_slot >= 0})
     backend = torch.cuda.get_device_name(device) if on_gpu else "CPU, Triton interpreter"

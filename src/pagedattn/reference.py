@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-__all__ = ["dequantize_kv", "paged_decode_torch"]
+__all__ = ["dequantize_kv", "paged_decode_torch", "rel_error"]
 
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -271,3 +271,16 @@ def paged_decode_torch(
         out[rows] = seq_out.reshape(query_len, num_q_heads, head_dim).to(q.device)
         lse[rows] = seq_lse.permute(2, 0, 1).reshape(query_len, num_q_heads).to(q.device)
     return (out, lse) if return_lse else out
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖out − ref‖ / ‖ref‖`` in float64 (``ref`` moved to ``out``'s device); infinity when
+    ``out`` holds a NaN or an infinity (e.g. an element a kernel never wrote into a poisoned
+    output). The error measure every test, benchmark and the tuner report."""
+    out = out.double()
+    ref = ref.double().to(out.device)
+    if out.shape != ref.shape:
+        raise ValueError(f"output: expected shape {tuple(ref.shape)}, got {tuple(out.shape)}")
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    return float((out - ref).norm() / ref.norm())

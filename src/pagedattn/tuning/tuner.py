@@ -418,7 +418,7 @@ class CudaBackend:
 
     def rel_err(self, shape: Shape, multiplier: int) -> float:
         """``‖out − ref‖ / ‖ref‖`` of one eager step (first KV copy) vs the float64 reference."""
-        from pagedattn.reference import paged_decode_torch
+        from pagedattn.reference import paged_decode_torch, rel_error
 
         d = self._prepare(shape)
         if "ref" not in d:
@@ -426,10 +426,7 @@ class CudaBackend:
             d["ref"] = paged_decode_torch(
                 d["q"], k, v, d["block_table"], d["seq_lens"], k_scale=k_scale, v_scale=v_scale
             )
-        out = self._steps(shape, multiplier)[0]().double()
-        if not bool(torch.isfinite(out).all()):
-            return math.inf
-        return float((out - d["ref"]).norm() / d["ref"].norm())
+        return rel_error(self._steps(shape, multiplier)[0](), d["ref"])
 
 
 # --------------------------------------------------------------------------------------------
