@@ -636,8 +636,8 @@ def test_query_split_into_two_e4m3_terms_is_exact():
     xs = torch.zeros(4096, dtype=torch.bfloat16)
     xs[:n] = x
     xs = xs.to(DEVICE)
-    hi = torch.empty(4096, dtype=FP8, device=DEVICE)
-    lo = torch.empty(4096, dtype=FP8, device=DEVICE)
+    hi = torch.full((4096,), float("nan"), dtype=FP8, device=DEVICE)  # poisoned
+    lo = torch.full((4096,), float("nan"), dtype=FP8, device=DEVICE)
     _split_kernel[(1,)](xs, hi, lo, N=4096)
     total = hi.double() + lo.double()
     assert torch.equal(total, xs.double()), (
