@@ -8,10 +8,13 @@ sequence writes ``out`` (and LSE), a cut one writes its partial slot for the red
 Q, K, V and the accumulator are cut along head_dim into ``CHUNKS`` (1, 2 or 4) chunks, one
 ``tl.dot`` each, so only one chunk of a converted K or V tile is live in registers at a time.
 
-Numerics: FP8 K/V are converted to the query dtype exactly (every e4m3 value is a bf16 and an
-fp16 value); per-tensor scales fold into the score scale (K) and the output (V); per-token
-scales multiply score columns (K) and probability columns (V). Scores, softmax state and
-accumulators are float32; Q K^T takes the query dtype, P V takes fp16 (bf16 for a bf16 cache).
+Numerics: FP8 K/V are converted exactly where converted (every e4m3 value is a bf16 and an
+fp16 value). Q K^T takes the query dtype, except with FP8 keys and a bf16 query: each query
+row is scaled by a power of two and meets the keys in fp16 (``QK_FP16``) or, on FP8 tensor
+cores, as two e4m3 terms against the keys as stored (``QK_FP8``). P V takes fp16 (bf16 for
+a bf16 cache). Per-tensor scales fold into the score scale (K) and the output (V); per-token
+scales multiply score columns (K) and probability columns (V, relative to the tile's
+largest). Scores, softmax state and accumulators are float32.
 """
 
 import triton
