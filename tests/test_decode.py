@@ -275,31 +275,43 @@ def test_split_sequences_are_reduced(gen):
     assert plan.reduce_items()
 
 
+def _small_fp8_cache(lens, kv_scale, gen):
+    """An FP8 cache of one kv head, head_dim 64, page 16 (lengths scaled up on the GPU)."""
+    return pagedattn.build_paged_cache(
+        [n * (40 if ON_GPU else 1) for n in lens],
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        kv_dtype=FP8,
+        kv_scale=kv_scale,
+        device=DEVICE,
+        generator=gen,
+    )
+
+
+def _f32_error(args, kw, qk_fp8):
+    """Relative error of one decode into a NaN-poisoned float32 ``out`` with 16-token tiles
+    (a tile per page), against the float64 reference."""
+    q = args[0]
+    launch = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, qk_fp8=qk_fp8)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
+    return rel_error(out, paged_decode_torch(*args, **kw))
+
+
 @pytest.mark.parametrize("qk_fp8", [False, True], ids=["qk-fp16", "qk-fp8"])
 def test_query_rows_far_outside_fp16_range(qk_fp8, gen):
     """The bf16 query reaches FP8 keys through a per-row power-of-two scaling (into fp16, or
     into two e4m3 terms): rows of magnitude 1e6 (past fp16's range) and 1e-6 (near its
     subnormals) come out as exact as rows of magnitude 1."""
     lens = [45, 20]
-    cache = pagedattn.build_paged_cache(
-        [n * (40 if ON_GPU else 1) for n in lens],
-        num_kv_heads=1,
-        head_dim=64,
-        page_size=16,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-        device=DEVICE,
-        generator=gen,
-    )
+    cache = _small_fp8_cache(lens, "per_tensor", gen)
     q = torch.randn(8, 16, 64, generator=gen, device=DEVICE)
     magnitude = torch.tensor([1e6, 1e-6, 1.0, 3e4], device=DEVICE).repeat(2)
     q = (q * magnitude[:, None, None]).to(torch.bfloat16)  # q_len 4: 64 rows per kv head
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, sm_scale=1e-6)
-    launch = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, qk_fp8=qk_fp8)
-    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
-    pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
-    err = rel_error(out, paged_decode_torch(*args, **kw))
+    err = _f32_error(args, kw, qk_fp8=qk_fp8)
     assert err < tolerance(FP8, torch.float32, fp8_qk=qk_fp8), f"rel err {err:.3e}"
 
 
@@ -310,16 +322,7 @@ def test_per_token_v_scales_far_apart(query_len, gen):
     fp16, taken relative to each tile's largest scale, and the accumulator changes unit
     exactly between tiles."""
     lens = [70, 33]
-    cache = pagedattn.build_paged_cache(
-        [n * (40 if ON_GPU else 1) for n in lens],
-        num_kv_heads=1,
-        head_dim=64,
-        page_size=16,
-        kv_dtype=FP8,
-        kv_scale="per_token",
-        device=DEVICE,
-        generator=gen,
-    )
+    cache = _small_fp8_cache(lens, "per_token", gen)
     # One factor per page; a 16-token tile is one page.
     factor = 2.0 ** torch.tensor([-14.0, -17.0, -14.0, -20.0, -15.0], device=DEVICE)
     pages = torch.arange(cache.v_scale.shape[0], device=DEVICE)
@@ -329,10 +332,7 @@ def test_per_token_v_scales_far_apart(query_len, gen):
     q = q.to(torch.bfloat16)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=v_scale, sm_scale=0.05)
-    launch = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2)
-    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
-    pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
-    err = rel_error(out, paged_decode_torch(*args, **kw))
+    err = _f32_error(args, kw, qk_fp8=False)
     assert err < tolerance(FP8, torch.float32), f"rel err {err:.3e}"
 
 
@@ -360,16 +360,7 @@ def test_repeated_runs_are_bitwise_identical(gen):
     """Same inputs and plan, same bits, and every run writes every element (``out`` is
     poisoned before each)."""
     case = CASES["many-programs-split"]
-    cache = pagedattn.build_paged_cache(
-        [n * (40 if ON_GPU else 1) for n in case.lens],
-        num_kv_heads=1,
-        head_dim=64,
-        page_size=16,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-        device=DEVICE,
-        generator=gen,
-    )
+    cache = _small_fp8_cache(case.lens, "per_tensor", gen)
     q = torch.randn(4, 4, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
     plan = pagedattn.plan_decode(
         cache.seq_lens,
