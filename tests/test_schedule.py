@@ -194,6 +194,25 @@ def test_plan_sizes_at_the_limits(batch, num_programs):
         check_invariants(plan, lens, 256)
 
 
+@pytest.mark.parametrize(
+    "lens, num_programs",
+    [
+        ([16 * (2**20 - 1)], 7),  # the last total whose float estimate is exact by itself
+        ([16 * 2**20], 7),  # the first that takes the corrected division
+        # Totals of ~10M partitions where the uncorrected estimate misses (found by search,
+        # with float32 division as on the CPU): the corrections are needed there.
+        ([127569077, 4677831, 19348776], 7),
+        ([105821109, 16632011, 40694121], 33),
+    ],
+)
+def test_program_lookup_at_large_totals(lens, num_programs):
+    """The scheduler finds each partition's program with a float estimate, exact by itself
+    below 2^20 partitions per head and corrected beyond: plans of millions of partitions
+    match the NumPy twin (lengths only; no cache behind them)."""
+    plan = make_plan(lens, num_kv_heads=1, group=1, num_programs=num_programs, partition_size=16)
+    check_matches_numpy(plan, lens, 16)
+
+
 def test_reuse_refills_the_same_buffers():
     lens_a, lens_b = [300, 5, 1000], [17, 900, 2]
     plan = make_plan(lens_a, num_kv_heads=2, group=2, num_programs=6, partition_size=64)
@@ -279,6 +298,30 @@ def test_chunked_scan_matches_single_block(window, monkeypatch):
     chunked = make_plan(lens, **kwargs)
     assert_same_plan(single, chunked)
     check_matches_numpy(chunked, lens, 64)
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_single_block_windows_match_the_registers(window, monkeypatch):
+    """A batch held in one block writes each program's works either straight from the
+    registers (small batches) or from windows of sequences reloaded and rescanned (larger
+    ones; windows of 1 or 4 here, so a program's works span several): the same plan either
+    way, and the NumPy twin's."""
+    import pagedattn.api
+
+    rng = np.random.default_rng(5)
+    lens = rng.integers(0, 700, size=45)
+    lens[[3, 30]] = 9000, 0
+    for kwargs in (
+        dict(num_kv_heads=2, group=2, num_programs=10, partition_size=64),
+        dict(num_kv_heads=1, group=4, num_programs=16, partition_size=None),
+    ):
+        whole = make_plan(lens, **kwargs)
+        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WHOLE", 0)
+        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WINDOW", window)
+        windowed = make_plan(lens, **kwargs)
+        monkeypatch.undo()
+        assert_same_plan(whole, windowed)
+        check_matches_numpy(windowed, lens, kwargs["partition_size"])
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -55,32 +55,42 @@ def _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
     return tl.where(small, AUTO_SMALL_SHIFT, AUTO_LARGE_SHIFT)
 
 
+# Below this many partitions per head, _div_small's estimate is exact by itself.
+EXACT_ESTIMATE_LIMIT = tl.constexpr(1 << 20)
+
+
 @triton.jit
-def _div_small(x, d, inv_d):
-    """``(x // d, x % d)`` for ``x >= 0``, ``d >= 1`` and a quotient below 2^20 (here at most
-    the program count): a float estimate, off by at most one, corrected each way. Replaces an
-    integer division by a runtime value (a ~25-instruction sequence per element)."""
-    q = (x.to(tl.float32) * inv_d).to(tl.int32)
+def _div_small(x, d, inv_d, exact):
+    """``(x // d, x % d)`` for ``0 <= x <= total`` (partitions of a head), ``d >= 1`` and a
+    quotient below 2^20 (here at most the program count), without an integer division by a
+    runtime value (a ~25-instruction sequence per element). The estimate ``(x + 1/2) / d``
+    lies ``(r + 1/2) / d`` above the quotient, at least ``1 / (2d)`` from either integer;
+    in float32, with ``inv_d`` within 2 ulp of ``1 / d`` (the GPU's division), it is off by
+    less than ``1.25 * 2^-22 * (x + 1/2) / d``, under ``1 / (2d)`` while ``x < 2^20``. So
+    with ``exact`` (``total < EXACT_ESTIMATE_LIMIT``) its integer part is the quotient;
+    beyond, it is off by at most one (the quotient is below 2^20) and corrected each way."""
+    q = ((x.to(tl.float32) + 0.5) * inv_d).to(tl.int32)
     r = x - q * d
-    q = tl.where(r < 0, q - 1, q)
-    r = tl.where(r < 0, r + d, r)
-    q = tl.where(r >= d, q + 1, q)
-    r = tl.where(r >= d, r - d, r)
+    if not exact:
+        q = tl.where(r < 0, q - 1, q)
+        r = tl.where(r < 0, r + d, r)
+        q = tl.where(r >= d, q + 1, q)
+        r = tl.where(r >= d, r - d, r)
     return q, r
 
 
 @triton.jit
-def _program_of(x, base, rem):
+def _program_of(x, base, rem, exact):
     """Inverse of start(i) = i * base + min(i, rem): the program ``i`` that owns partition
     ``x``, ``x - start(i)``, and the program's partition count (``base + 1`` for the first
     ``rem`` programs, else ``base``). One division, by the divisor of x's side (selected per
-    element), not one per side."""
+    element), not one per side. ``exact``: see _div_small."""
     big = rem * (base + 1)
     head = x < big
     d = tl.where(head, base + 1, tl.maximum(base, 1))
     inv_head = 1.0 / (base + 1).to(tl.float32)
     inv_tail = 1.0 / tl.maximum(base, 1).to(tl.float32)
-    q, r = _div_small(tl.where(head, x, x - big), d, tl.where(head, inv_head, inv_tail))
+    q, r = _div_small(tl.where(head, x, x - big), d, tl.where(head, inv_head, inv_tail), exact)
     return tl.where(head, q, rem + q), r, d
 
 
@@ -103,14 +113,14 @@ def _split(x):
 
 
 @triton.jit
-def _layout(lens, carry, base, rem, shift):
+def _layout(lens, carry, base, rem, shift, exact):
     """Partitions of a chunk of sequences, where they sit, and per sequence the program that
     owns its first partition, that partition's place in the program's range, and the range's
     size (see _program_of)."""
     parts = _cdiv_shift(lens, shift)
     cum_incl = carry + tl.cumsum(parts, axis=0)
     cum_excl = cum_incl - parts
-    first, offset, size = _program_of(cum_excl, base, rem)
+    first, offset, size = _program_of(cum_excl, base, rem, exact)
     return parts, cum_incl, cum_excl, first, offset, size
 
 
@@ -263,7 +273,8 @@ def _schedule_kernel(
         total = tl.sum(_cdiv_shift(lens, shift), axis=0)
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
-        parts, cum_incl, cum_excl, first, offset, size = _layout(lens, zero, base, rem, shift)
+        exact = total < EXACT_ESTIMATE_LIMIT
+        parts, cum_incl, cum_excl, first, offset, size = _layout(lens, zero, base, rem, shift, exact)
         nc, ad, begins_before, parts_before, en, ca = _counts(
             parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS
         )
@@ -291,6 +302,7 @@ def _schedule_kernel(
             shift = zero + PARTITION_SHIFT
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
+        exact = total < EXACT_ESTIMATE_LIMIT
         # -- pass 2: what lies before each of this scheduler's programs, and per-head totals --
         nonempty_before = tl.zeros([LOCALS], dtype=tl.int32)
         cut_before = tl.zeros([LOCALS], dtype=tl.int32)
@@ -305,7 +317,7 @@ def _schedule_kernel(
         carry = zero
         for b0 in range(0, batch, BLOCK_B):
             lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
-            parts, cum_incl, cum_excl, _, offset, size = _layout(lens, carry, base, rem, shift)
+            parts, cum_incl, cum_excl, _, offset, size = _layout(lens, carry, base, rem, shift, exact)
             carry += tl.sum(parts, axis=0)
             nc, ad, bb, pb, en, ca = _counts(
                 parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS
@@ -343,7 +355,7 @@ def _schedule_kernel(
         tl.store(reduces_ptr + max_reduces * 4, 1 << shift)  # the step's partition size
     if WINDOW == 0:
         tl.static_assert(SINGLE_BLOCK, "WINDOW == 0 writes from the single block's registers")
-        last, _, _ = _program_of(cum_incl - 1, base, rem)
+        last, _, _ = _program_of(cum_incl - 1, base, rem, exact)
     else:
         offs_w = tl.arange(0, WINDOW)
 
@@ -393,9 +405,9 @@ def _schedule_kernel(
                 seq = w0 + offs_w
                 lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
                 parts_w, cum_incl_w, cum_excl_w, first_w, _, _ = _layout(
-                    lens_w, carry, base, rem, shift
+                    lens_w, carry, base, rem, shift, exact
                 )
-                last_w, _, _ = _program_of(cum_incl_w - 1, base, rem)
+                last_w, _, _ = _program_of(cum_incl_w - 1, base, rem, exact)
                 carry += tl.sum(parts_w, axis=0)
                 mine_carry, cut_carry = _write_works(
                     works_ptr,
