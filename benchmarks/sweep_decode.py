@@ -19,7 +19,11 @@ import pagedattn
 from benchmarks.ceiling import measure_read_gbps
 from benchmarks.timing import time_graph
 from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
+from pagedattn.tuning.launch import (
+    DecodeLaunchConfig,
+    ReduceLaunchConfig,
+    decode_launch_config,
+)
 
 FP8 = torch.float8_e4m3fn
 GRAPH_CALLS = 8  # calls per captured graph; each shape's KV is far larger than L2
@@ -48,6 +52,11 @@ def main() -> None:
     )
     parser.add_argument("--q-dtype", default="bfloat16")
     parser.add_argument("--stages", default="2")
+    parser.add_argument(
+        "--tail-stages",
+        default="",
+        help="stages of the masked tail loop; default: the library's for the shape's rows",
+    )
     parser.add_argument("--maxnreg", default="0", help="register caps; 0 = none")
     parser.add_argument("--chunk", default="64", help="head_dim chunk widths")
     parser.add_argument("--page-size", type=int, default=1024)
@@ -100,13 +109,19 @@ def main() -> None:
             if args.programs
             else [sms * int(x) for x in args.mults.split(",")]
         )
-        for flags, programs, bn, warps, pf, st, regs, chunk, red, part in itertools.product(
+        tails = args.tail_stages or str(
+            decode_launch_config(
+                head_dim=128, rows=query_len * 16, kv_dtype=kv_dtype, partition_size=256
+            ).tail_stages
+        )
+        for flags, programs, bn, warps, pf, st, tail, regs, chunk, red, part in itertools.product(
             args.flags.split(","),
             grids,
             [int(x) for x in args.block_n.split(",")],
             [int(x) for x in args.warps.split(",")],
             [bool(int(x)) for x in args.tma.split(",")],
             [int(x) for x in args.stages.split(",")],
+            [int(x) for x in tails.split(",")],
             [int(x) for x in args.maxnreg.split(",")],
             [int(x) for x in args.chunk.split(",")],
             args.reduce.split(";"),
@@ -128,6 +143,7 @@ def main() -> None:
                 block_n=bn,
                 num_warps=warps,
                 num_stages=st,
+                tail_stages=tail,
                 tma=pf,
                 unmasked_loop=flags[0] == "1",
                 qk_fp16=flags[1] == "1",
@@ -160,6 +176,7 @@ def main() -> None:
                 warps,
                 pf,
                 st,
+                tail,
                 regs,
                 chunk,
                 red,
@@ -170,14 +187,14 @@ def main() -> None:
             )
             rows.append(row)
             print(row, flush=True)
-            if best is None or row[11] < best[11]:  # fastest
+            if best is None or row[-3] < best[-3]:  # fastest
                 best = row
         print("best:", best)
     print(
-        "| shape | flags | programs | block_n | warps | tma | stages | maxnreg | chunk | reduce "
-        "| partition | µs | GB/s | % read |"
+        "| shape | flags | programs | block_n | warps | tma | stages | tail stages | maxnreg "
+        "| chunk | reduce | partition | µs | GB/s | % read |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 

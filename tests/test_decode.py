@@ -82,6 +82,15 @@ CASES = {
         (40, 4), query_len=4, num_q_heads=16, kv_dtype=FP8, kv_scale="per_token"
     ),
     "qlen8-group16": Case((50, 8), query_len=8, num_q_heads=16),
+    "qlen2-group16-fp8-token": Case(
+        (50, 9), query_len=2, num_q_heads=16, kv_dtype=FP8, kv_scale="per_token"
+    ),
+    "tail-pipelined-fp8-tensor": Case(
+        (50, 17, 3),
+        kv_dtype=FP8,
+        kv_scale="per_tensor",
+        launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, tail_stages=2),
+    ),
     "qlen3-seq-eq-qlen": Case((3, 3, 20), query_len=3),
     "window": Case((60, 9), window=10),
     "window1-qlen3": Case((40, 5), window=1, query_len=3, kv_dtype=FP8, kv_scale="per_token"),

@@ -34,6 +34,10 @@ def test_launch_config_small_and_large_row_counts():
     assert bf16.num_stages == 3  # 16-bit tiles: two buffers would halve the programs per SM
     wide = decode_launch_config(head_dim=256, rows=16, kv_dtype=FP8, partition_size=256)
     assert wide.block_n == 64 and head_chunks(wide, 256) == 4
+    # The masked tail tile's copies are issued together above 16 rows only (at <= 16 rows
+    # the extra registers and buffer would cost a program per SM).
+    assert small.tail_stages == wide.tail_stages == 1
+    assert large.tail_stages == bf16.tail_stages == 2
 
 
 @pytest.mark.parametrize(

@@ -518,6 +518,7 @@ def paged_decode(
         UNMASKED_LOOP=config.unmasked_loop,
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
+        TAIL_STAGES=config.tail_stages,
         TRACE=_trace is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

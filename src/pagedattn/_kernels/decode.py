@@ -589,6 +589,7 @@ def _decode_kernel(
     UNMASKED_LOOP: tl.constexpr,
     CHUNKS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    TAIL_STAGES: tl.constexpr,  # pipeline stages of the masked tail loop
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see grid_dependency)
     TRACE: tl.constexpr,
 ):
@@ -714,8 +715,12 @@ def _decode_kernel(
             else:
                 begin = full_end
                 end = token_end
-            # The masked tail is at most a tile or two: not pipelined, so it adds no registers.
-            for start in tl.range(begin, end, BLOCK_N, num_stages=NUM_STAGES if phase == 0 else 1):
+            # The masked tail is a tile or two. Not pipelined (TAIL_STAGES 1), it adds no
+            # registers, but each of a tile's bulk copies is then issued and waited for in
+            # turn; with 2 stages they are issued together.
+            for start in tl.range(
+                begin, end, BLOCK_N, num_stages=NUM_STAGES if phase == 0 else TAIL_STAGES
+            ):
                 m_i, l_i, v_norm, o0, o1, o2, o3 = _attend_tile(
                     m_i,
                     l_i,

@@ -274,7 +274,9 @@ def _schedule_kernel(
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
         exact = total < EXACT_ESTIMATE_LIMIT
-        parts, cum_incl, cum_excl, first, offset, size = _layout(lens, zero, base, rem, shift, exact)
+        parts, cum_incl, cum_excl, first, offset, size = _layout(
+            lens, zero, base, rem, shift, exact
+        )
         nc, ad, begins_before, parts_before, en, ca = _counts(
             parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS
         )
@@ -317,7 +319,9 @@ def _schedule_kernel(
         carry = zero
         for b0 in range(0, batch, BLOCK_B):
             lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
-            parts, cum_incl, cum_excl, _, offset, size = _layout(lens, carry, base, rem, shift, exact)
+            parts, cum_incl, cum_excl, _, offset, size = _layout(
+                lens, carry, base, rem, shift, exact
+            )
             carry += tl.sum(parts, axis=0)
             nc, ad, bb, pb, en, ca = _counts(
                 parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS

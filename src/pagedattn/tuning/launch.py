@@ -64,6 +64,10 @@ class DecodeLaunchConfig:
     # chunks), so one chunk of the converted K/V tile is live in registers at a time.
     head_chunk: int = 64
     maxnreg: int | None = None  # register cap per thread (more programs fit per SM; may spill)
+    # Pipeline stages of the masked tail loop (the last tile or two of a work): 1 waits for
+    # each of a tile's K/V bulk copies in turn; 2 issues them together (one memory latency
+    # a tile, not one per copy) at the cost of registers and a buffer of shared memory
+    tail_stages: int = 1
     reduce: ReduceLaunchConfig | None = None  # None: reduce_launch_config's default
 
 
@@ -92,14 +96,22 @@ def decode_launch_config(
     3-4 x 16 heads with per-tensor scales. With per-token scales, 5 stages would take 117 KB
     of shared memory (one program per SM), so 4 (a single buffer): 8-9% faster than the
     exact path's 5 stages at >= 134 MB. Not for <= 32 rows (no FP8 tensor-core path) or 128
-    rows (slower)."""
+    rows (slower).
+
+    ``tail_stages`` 2 (the masked tail tile's bulk copies issued together) for more than 16
+    rows: at q_len 4 x 16 heads over the seed's shapes, 0.89-0.97x the time with per-token
+    scales; per-tensor 0.97x in geometric mean, from 0.91x (small batches) to 1.03-1.04x at
+    the largest shapes (NOTES.md, step 62). Not for <= 16 rows: 59 more registers and 16 KB
+    more shared memory would leave 3 programs per SM instead of 4."""
     fp8 = kv_dtype == torch.float8_e4m3fn
     block_n = 128 if head_dim <= 128 and fp8 else 64
     if rows <= SMALL_ROWS:
         return DecodeLaunchConfig(block_n=block_n, num_warps=2, num_stages=3)
     qk_fp8 = fp8 and head_dim == 128 and 32 < rows <= 64
     stages = (4 if qk_fp8 and kv_scale == "per_token" else 5) if fp8 else 3
-    return DecodeLaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, qk_fp8=qk_fp8)
+    return DecodeLaunchConfig(
+        block_n=block_n, num_warps=4, num_stages=stages, qk_fp8=qk_fp8, tail_stages=2
+    )
 
 
 def default_partition(*, batch: int, max_seq_len: int | None, programs_per_head: int) -> int:
