@@ -221,6 +221,14 @@ def _pv_chunk(
     return dot_any(p, v, DOT_FP32, o * alpha[:, None])
 
 
+@triton.constexpr_function
+def _tile_uses_tma(use_tma, masked, tail_stages):
+    """Whether a tile is read with bulk copies: always with ``USE_TMA``, except a masked
+    tile in a loop that is not pipelined (see _attend_tile)."""
+    value = [getattr(x, "value", x) for x in (use_tma, masked, tail_stages)]
+    return bool(value[0]) and (not value[1] or value[2] > 1)
+
+
 @triton.jit
 def _attend_tile(
     m_i,
@@ -277,6 +285,7 @@ def _attend_tile(
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TAIL_STAGES: tl.constexpr,
     QK_FP16: tl.constexpr,
     QK_FP8: tl.constexpr,
     MASKED: tl.constexpr,
@@ -291,6 +300,10 @@ def _attend_tile(
     through.
     """
     DC: tl.constexpr = HEAD_DIM // CHUNKS
+    # A masked tile in a loop that is not pipelined reads K and V with plain loads, issued
+    # together; its bulk copies would each be waited for in turn (one memory latency per
+    # copy: NOTES.md, step 63).
+    TILE_TMA: tl.constexpr = _tile_uses_tma(USE_TMA, MASKED, TAIL_STAGES)
     # P (in [0, 1]) meets V in fp16 unless V is bf16: e4m3 and fp16 values are exact in fp16,
     # and fp16 keeps 3 more mantissa bits of P than bf16 (8x smaller error with a bf16 query).
     if v_ptr.dtype.element_ty == tl.bfloat16:
@@ -330,7 +343,7 @@ def _attend_tile(
         PAGE_SIZE,
         BLOCK_N,
         DOT_FP32,
-        USE_TMA,
+        TILE_TMA,
         QK_FP8,
         MASKED,
     )
@@ -352,7 +365,7 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             DOT_FP32,
-            USE_TMA,
+            TILE_TMA,
             QK_FP8,
             MASKED,
         )
@@ -374,7 +387,7 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             DOT_FP32,
-            USE_TMA,
+            TILE_TMA,
             QK_FP8,
             MASKED,
         )
@@ -395,7 +408,7 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             DOT_FP32,
-            USE_TMA,
+            TILE_TMA,
             QK_FP8,
             MASKED,
         )
@@ -463,7 +476,7 @@ def _attend_tile(
         PAGE_SIZE,
         BLOCK_N,
         DOT_FP32,
-        USE_TMA,
+        TILE_TMA,
         MASKED,
     )
     if CHUNKS >= 2:
@@ -484,7 +497,7 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             DOT_FP32,
-            USE_TMA,
+            TILE_TMA,
             MASKED,
         )
     if CHUNKS >= 4:
@@ -505,7 +518,7 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             DOT_FP32,
-            USE_TMA,
+            TILE_TMA,
             MASKED,
         )
         o3 = _pv_chunk(
@@ -525,7 +538,7 @@ def _attend_tile(
             PAGE_SIZE,
             BLOCK_N,
             DOT_FP32,
-            USE_TMA,
+            TILE_TMA,
             MASKED,
         )
     return m_new, l_i, v_norm, o0, o1, o2, o3
@@ -776,6 +789,7 @@ def _decode_kernel(
                     HAS_WINDOW,
                     DOT_FP32,
                     USE_TMA,
+                    TAIL_STAGES,
                     QK_FP16,
                     QK_FP8,
                     phase == 1,
