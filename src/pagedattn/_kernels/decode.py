@@ -728,9 +728,9 @@ def _decode_kernel(
             else:
                 begin = full_end
                 end = token_end
-            # The masked tail is a tile or two. Not pipelined (TAIL_STAGES 1), it adds no
-            # registers, but each of a tile's bulk copies is then issued and waited for in
-            # turn; with 2 stages they are issued together.
+            # The masked tail is a tile or two: pipelined (TAIL_STAGES 2), its bulk copies
+            # are issued together; not pipelined (1: no buffers), it reads each tile with
+            # plain loads (see _attend_tile).
             for start in tl.range(
                 begin, end, BLOCK_N, num_stages=NUM_STAGES if phase == 0 else TAIL_STAGES
             ):

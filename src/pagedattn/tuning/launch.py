@@ -64,9 +64,10 @@ class DecodeLaunchConfig:
     # chunks), so one chunk of the converted K/V tile is live in registers at a time.
     head_chunk: int = 64
     maxnreg: int | None = None  # register cap per thread (more programs fit per SM; may spill)
-    # Pipeline stages of the masked tail loop (the last tile or two of a work): 1 waits for
-    # each of a tile's K/V bulk copies in turn; 2 issues them together (one memory latency
-    # a tile, not one per copy) at the cost of registers and a buffer of shared memory
+    # Pipeline stages of the masked tail loop (the last tile or two of a work): 2 issues a
+    # tile's K/V bulk copies together (a buffer of shared memory and more registers); 1
+    # needs no buffer and reads the masked tile with plain loads instead (a bulk copy
+    # outside a pipelined loop is waited for before the next is issued)
     tail_stages: int = 1
     reduce: ReduceLaunchConfig | None = None  # None: reduce_launch_config's default
 
