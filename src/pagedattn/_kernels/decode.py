@@ -225,8 +225,7 @@ def _pv_chunk(
 def _tile_uses_tma(use_tma, masked, tail_stages):
     """Whether a tile is read with bulk copies: always with ``USE_TMA``, except a masked
     tile in a loop that is not pipelined (see _attend_tile)."""
-    value = [getattr(x, "value", x) for x in (use_tma, masked, tail_stages)]
-    return bool(value[0]) and (not value[1] or value[2] > 1)
+    return bool(use_tma) and (not masked or tail_stages > 1)
 
 
 @triton.jit
