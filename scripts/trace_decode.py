@@ -7,7 +7,9 @@ config): the whole step with a fixed plan timed by CUDA-graph replays, then one 
 programs stamp ``%globaltimer`` at their start and end and at each work's start, first tile
 and epilogue (``paged_decode(_trace=...)``). Printed, in µs from the first program's start:
 when programs start (launch ramp), when they end (tail), and per work the set-up before the
-first tile, the tile loop and the epilogue, with the loop's streaming rate.
+first tile, the tile loop and the epilogue, with the loop's streaming rate; then per SM its
+programs' last end and mean loop rate, and how that rate correlates with two more traced
+runs (same cache; a fresh cache, other page placement): a slow SM or slow data.
 """
 
 from __future__ import annotations
@@ -28,15 +30,44 @@ def pct(x, qs=(0, 50, 90, 100)):
     return "/".join(f"{v:.1f}" for v in np.percentile(x, qs))
 
 
-def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) -> None:
-    case = Case(batch, context, query_len)  # the seed's: FP8 per-tensor, 16/1 heads, page 1024
-    plan, args, kw = fixed_plan_call(case, gen)
-    step_us = time_graph([lambda: pagedattn.paged_decode(*args, **kw)] * 8).us_p50
+def traced_run(plan, args, kw) -> np.ndarray:
+    """One traced decode (after two warm-up runs): the stamps in µs, the SM ids as stored."""
     trace = torch.zeros(plan.num_programs, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     for _ in range(3):  # compile, then warm; the last run's stamps are kept
         pagedattn.paged_decode(*args, **kw, _trace=trace)
     torch.cuda.synchronize()
-    t = trace.cpu().numpy().astype(np.float64) / 1e3  # µs
+    t = trace.cpu().numpy().astype(np.float64)
+    t[:, [0, 1, *range(3, TRACE_SLOTS)]] /= 1e3  # ns -> µs
+    return t
+
+
+def sm_loop_rates(plan, t: np.ndarray, head_dim: int) -> np.ndarray:
+    """Per SM, the mean tile-loop rate (GB/s) of its programs' traced works."""
+    indptr = plan.work_indptr.cpu().numpy()
+    works = plan.works.cpu().numpy()
+    sms = int(t[:, 2].max()) + 1
+    total, count = np.zeros(sms), np.zeros(sms)
+    for p in range(plan.num_programs):
+        for i in range(min(indptr[p + 1] - indptr[p], TRACE_WORKS)):
+            rec = works[indptr[p] + i]
+            loop = t[p, 5 + 3 * i] - t[p, 4 + 3 * i]
+            nbytes = int(rec[6] - rec[5]) * head_dim * 2
+            total[int(t[p, 2])] += nbytes / max(loop, 1e-3) / 1e3
+            count[int(t[p, 2])] += 1
+    return total / np.maximum(count, 1)
+
+
+def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) -> None:
+    case = Case(batch, context, query_len)  # the seed's: FP8 per-tensor, 16/1 heads, page 1024
+    plan, args, kw = fixed_plan_call(case, gen)
+    step_us = time_graph([lambda: pagedattn.paged_decode(*args, **kw)] * 8).us_p50
+    t = traced_run(plan, args, kw)
+    # The same step twice more: once over the same cache, once over a fresh one (other page
+    # placement); whether an SM's loop rate repeats tells a slow SM from slow data.
+    same = sm_loop_rates(plan, traced_run(plan, args, kw), case.head_dim)
+    plan2, args2, kw2 = fixed_plan_call(case, gen)
+    fresh = sm_loop_rates(plan2, traced_run(plan2, args2, kw2), case.head_dim)
+    first = sm_loop_rates(plan, t, case.head_dim)
     t0 = t[:, 0].min()
     start, end = t[:, 0] - t0, t[:, 1] - t0
     indptr = plan.work_indptr.cpu().numpy()
@@ -45,14 +76,16 @@ def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) 
     setup, loop, epi, rate = [], [], [], []
     for p in range(plan.num_programs):
         for i in range(min(n_works[p], TRACE_WORKS)):
-            w0, w1, w2 = t[p, 2 + 3 * i : 5 + 3 * i]
-            nxt = t[p, 2 + 3 * (i + 1)] if i + 1 < min(n_works[p], TRACE_WORKS) else t[p, 1]
+            w0, w1, w2 = t[p, 3 + 3 * i : 6 + 3 * i]
+            nxt = t[p, 3 + 3 * (i + 1)] if i + 1 < min(n_works[p], TRACE_WORKS) else t[p, 1]
             setup.append(w1 - w0)
             loop.append(w2 - w1)
             epi.append(nxt - w2)
             rec = works[indptr[p] + i]
             nbytes = int(rec[6] - rec[5]) * case.head_dim * 2  # FP8 K + V of the work's tokens
             rate.append(nbytes / max(w2 - w1, 1e-3) / 1e3)  # GB/s
+    sm_end = np.zeros(int(t[:, 2].max()) + 1)
+    np.maximum.at(sm_end, t[:, 2].astype(int), end)
     kv = kv_bytes(case)
     span = end.max()
     print(
@@ -65,7 +98,15 @@ def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) 
         f"  set-up    min/p50/p90/max {pct(setup)}\n"
         f"  loop      min/p50/p90/max {pct(loop)}  per-program GB/s p50 {np.median(rate):.1f}\n"
         f"  epilogue  min/p50/p90/max {pct(epi)}\n"
-        f"  clock step (smallest stamp difference) {np.diff(np.unique(t[:, :2])).min():.3f} µs",
+        f"  SM's last end min/p50/p90/max {pct(sm_end)}\n"
+        f"  SM mean loop GB/s min/p50/p90/max {pct(first)}; correlation with the same "
+        f"cache {np.corrcoef(first, same)[0, 1]:.2f}, with a fresh cache "
+        f"{np.corrcoef(first, fresh)[0, 1]:.2f}\n"
+        f"  slowest 8 SMs (id: GB/s this run / same cache / fresh cache) "
+        + ", ".join(
+            f"{i}: {first[i]:.2f}/{same[i]:.2f}/{fresh[i]:.2f}" for i in np.argsort(first)[:8]
+        )
+        + f"\n  clock step (smallest stamp difference) {np.diff(np.unique(t[:, :2])).min():.3f} µs",
         flush=True,
     )
 

@@ -595,7 +595,8 @@ def test_cache_over_4gib_with_high_page_ids(gen):
 @requires_gpu
 def test_trace_stamps_follow_each_program(gen):
     """The profiling hook (scripts/trace_decode.py): per program, start <= each traced work's
-    start <= its first tile <= its epilogue <= end; tracing leaves the answer unchanged."""
+    start <= its first tile <= its epilogue <= end, and an SM id below the device's count;
+    tracing leaves the answer unchanged."""
     from pagedattn._kernels.decode import TRACE_SLOTS, TRACE_WORKS
 
     cache, q = seed_step(16, 3000, 1, gen)
@@ -608,10 +609,13 @@ def test_trace_stamps_follow_each_program(gen):
     t = trace.cpu()
     works = torch.diff(plan.work_indptr.cpu())
     assert (t[:, 0] > 0).all() and (t[:, 1] >= t[:, 0]).all()
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    assert ((t[:, 2] >= 0) & (t[:, 2] < sms)).all()
+    assert len(set(t[:, 2].tolist())) > 1  # a persistent grid over the whole GPU
     for p in range(plan.num_programs):
         stamps = [t[p, 0]]
         for i in range(min(int(works[p]), TRACE_WORKS)):
-            stamps += [t[p, 2 + 3 * i], t[p, 3 + 3 * i], t[p, 4 + 3 * i]]
+            stamps += [t[p, 3 + 3 * i], t[p, 4 + 3 * i], t[p, 5 + 3 * i]]
         stamps.append(t[p, 1])
         assert stamps == sorted(stamps), (p, stamps)
 

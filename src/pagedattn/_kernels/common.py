@@ -55,6 +55,14 @@ def globaltimer():
     )
 
 
+@triton.jit
+def smid():
+    """The SM this program runs on (``%smid``), for profiling; compiled code only."""
+    return tl.inline_asm_elementwise(
+        "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel launched while the one before it finishes,
     waiting in ``griddepcontrol.wait`` for its results): compiled CUDA code on sm_90+."""

@@ -20,13 +20,14 @@ largest). Scores, softmax state and accumulators are float32.
 import triton
 import triton.language as tl
 
-from .common import LN2, dot_any, globaltimer, grid_dependency
+from .common import LN2, dot_any, globaltimer, grid_dependency, smid
 
 # Scale modes (constexpr SCALE_MODE).
 SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
-# Profiling stamps per program (TRACE): start, end, then 3 per work for the first TRACE_WORKS.
+# Profiling stamps per program (TRACE): start, end, the program's SM, then 3 per work for the
+# first TRACE_WORKS.
 TRACE_WORKS = tl.constexpr(4)
-TRACE_SLOTS = tl.constexpr(2 + 3 * TRACE_WORKS.value)
+TRACE_SLOTS = tl.constexpr(3 + 3 * TRACE_WORKS.value)
 
 
 @triton.jit
@@ -612,10 +613,12 @@ def _decode_kernel(
     partial_lse_ptr = partial_out_ptr + lse_offset
     pid = tl.program_id(0)
     if TRACE:
-        # [0] program start, [1] program end, [2 + 3i + (0, 1, 2)]: work i's start, its first
-        # tile (records and queries loaded), its epilogue; for works i < TRACE_WORKS.
+        # [0] program start, [1] program end, [2] the SM, [3 + 3i + (0, 1, 2)]: work i's
+        # start, its first tile (records and queries loaded), its epilogue; for works i <
+        # TRACE_WORKS.
         trace_row = trace_ptr + pid * TRACE_SLOTS
         tl.store(trace_row, globaltimer())
+        tl.store(trace_row + 2, smid().to(tl.int64))
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < ROWS
@@ -635,7 +638,7 @@ def _decode_kernel(
     work_end = tl.load(work_indptr_ptr + pid + 1).to(tl.int64)
     for w in range(work_begin, work_end):
         if TRACE:
-            trace_work = trace_row + 2 + (w - work_begin) * 3
+            trace_work = trace_row + 3 + (w - work_begin) * 3
             trace_on = w - work_begin < TRACE_WORKS
             if trace_on:
                 tl.store(trace_work, globaltimer())
