@@ -67,22 +67,26 @@ def _pdl_from_env(value: str | None) -> bool:
     return True
 
 
-# Programmatic dependent launch (PDL) of the scheduler and the decode kernel, on sm_90+ unless
-# PAGEDATTN_PDL=0 is in the environment: the scheduler lets the next kernel launch at once,
-# and the decode kernel, launched early, waits for the scheduler's results before reading
-# anything. A persistent grid launched early is placed on whichever SMs are free at the time,
-# so it is launched early only where its programs fill every SM exactly
+# Programmatic dependent launch (PDL) of the scheduler, the decode kernel and the reducer, on
+# sm_90+ unless PAGEDATTN_PDL=0 is in the environment: the scheduler lets the next kernel
+# launch at once, and the decode kernel, launched early, waits for the scheduler's results
+# before reading anything. A persistent grid launched early is placed on whichever SMs are
+# free at the time, so it is launched early only where its programs fill every SM exactly
 # (_pdl_places_evenly); without that guard bf16 KV at q_len 1 and batch 128 ran 1.10-1.16x
 # slower. With it, whole step against PDL off in the same run (NOTES.md, steps 44-45): seed
-# grid 0.981x in geometric mean (1 x 1024 10.7 -> 9.2 µs), bf16 0.999x, page 16 0.982x.
+# grid 0.981x in geometric mean (1 x 1024 10.7 -> 9.2 µs), bf16 0.999x, page 16 0.982x. The
+# reducer is a PDL launch too, released by each decode program once its writes are done (so
+# its programs take the SMs that decode programs leave) and waiting for the whole decode
+# grid's results: decode + reduce 0.93-0.99x at q_len 1, 0.94-1.00x at q_len 4 (NOTES.md,
+# step 71).
 _PDL = _pdl_from_env(os.environ.get("PAGEDATTN_PDL"))
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether :func:`plan_decode` and :func:`paged_decode` use programmatic dependent launch
-    on ``device``: on sm_90+ unless ``PAGEDATTN_PDL=0`` (benchmarks record it with their
-    results). The decode kernel is then launched early only where its grid fills every SM
-    exactly."""
+    """Whether :func:`plan_decode`, :func:`paged_decode` and :func:`reduce_partials` use
+    programmatic dependent launch on ``device``: on sm_90+ unless ``PAGEDATTN_PDL=0``
+    (benchmarks record it with their results). The decode kernel is then launched early only
+    where its grid fills every SM exactly."""
     return _PDL and pdl_supported(device)
 
 
@@ -383,9 +387,10 @@ def paged_decode(
     programs) and no host sync: the call may be captured in a CUDA graph. On sm_90+ the
     decode kernel (like the scheduler) is a programmatic dependent launch where its programs
     fill every SM exactly: it may launch before the kernel ahead of it has finished, and
-    waits for its results before reading anything (NOTES.md, steps 44-45);
-    ``PAGEDATTN_PDL=0`` in the environment turns that off. The result is deterministic: the
-    same inputs and plan give the same bits.
+    waits for its results before reading anything (NOTES.md, steps 44-45); the reducer is
+    one too, waiting for the decode kernel's results (step 71). ``PAGEDATTN_PDL=0`` in the
+    environment turns that off. The result is deterministic: the same inputs and plan give
+    the same bits.
 
     Numerics, relative error ‖out − ref‖ / ‖ref‖ against the float64 reference on random data
     (bounded in ``tests/test_decode.py``): the computation adds about 2e-4 for FP8 and fp16
@@ -579,6 +584,7 @@ def reduce_partials(
         sm_count=sm_count(out.device),
     )
     red.check(plan.head_dim)
+    pdl = pdl_enabled(out.device)
     _launch_reduce(
         (plan.max_reduces, -(-rows // red.block_r), plan.head_dim // red.block_d),
         (
@@ -592,7 +598,7 @@ def reduce_partials(
             lse if lse is not None else out,  # never written when WRITE_LSE is False
             lse.stride(0) if lse is not None else 0,
         ),
-        (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE
+        (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE, PDL
             plan.query_len,
             plan.group,
             plan.head_dim,
@@ -601,6 +607,8 @@ def reduce_partials(
             red.slot_block,
             red.num_stages,
             lse is not None,
+            pdl,
         ),
         num_warps=red.num_warps,
+        launch_pdl=pdl,
     )

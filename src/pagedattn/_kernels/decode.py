@@ -817,5 +817,8 @@ def _decode_kernel(
             p_row = partial_out_ptr + (p_base + offs_m) * HEAD_DIM
             _store_rows(p_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)
             tl.store(partial_lse_ptr + p_base + offs_m, lse2, mask=row_ok)
+    # This program's writes are done: the reducer's programs (launched with PDL) may be
+    # placed now; they still wait for the whole grid's results in their grid_dependency.
+    grid_dependency(False, PDL)
     if TRACE:
         tl.store(trace_row + 1, globaltimer())

@@ -14,7 +14,7 @@ plan, so repeated runs over the same inputs and plan give identical bits.
 import triton
 import triton.language as tl
 
-from .common import LN2
+from .common import LN2, grid_dependency
 
 
 @triton.jit
@@ -36,7 +36,9 @@ def _reduce_kernel(
     SLOT_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (see grid_dependency)
 ):
+    grid_dependency(PDL, False)
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     partial_lse_ptr = partial_out_ptr + lse_offset
     # The whole record in one load (the fields are picked out in registers): one round
