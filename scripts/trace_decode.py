@@ -41,50 +41,54 @@ def traced_run(plan, args, kw) -> np.ndarray:
     return t
 
 
-def sm_loop_rates(plan, t: np.ndarray, head_dim: int) -> np.ndarray:
-    """Per SM, the mean tile-loop rate (GB/s) of its programs' traced works."""
+def work_times(plan, t: np.ndarray, head_dim: int) -> dict[str, np.ndarray]:
+    """Per traced work (a program's first TRACE_WORKS): its program, set-up before the first
+    tile, tile loop and epilogue (µs), and the loop's streaming rate (GB/s)."""
     indptr = plan.work_indptr.cpu().numpy()
     works = plan.works.cpu().numpy()
-    sms = int(t[:, 2].max()) + 1
-    total, count = np.zeros(sms), np.zeros(sms)
+    n_works = np.minimum(np.diff(indptr), TRACE_WORKS)
+    rows = []
     for p in range(plan.num_programs):
-        for i in range(min(indptr[p + 1] - indptr[p], TRACE_WORKS)):
+        for i in range(n_works[p]):
+            w0, w1, w2 = t[p, 3 + 3 * i : 6 + 3 * i]
+            nxt = t[p, 3 + 3 * (i + 1)] if i + 1 < n_works[p] else t[p, 1]
             rec = works[indptr[p] + i]
-            loop = t[p, 5 + 3 * i] - t[p, 4 + 3 * i]
-            nbytes = int(rec[6] - rec[5]) * head_dim * 2
-            total[int(t[p, 2])] += nbytes / max(loop, 1e-3) / 1e3
-            count[int(t[p, 2])] += 1
-    return total / np.maximum(count, 1)
+            nbytes = int(rec[6] - rec[5]) * head_dim * 2  # FP8 K + V of the work's tokens
+            rows.append((p, w1 - w0, w2 - w1, nxt - w2, nbytes / max(w2 - w1, 1e-3) / 1e3))
+    cols = np.array(rows, dtype=np.float64).reshape(-1, 5).T
+    return dict(zip(("program", "setup", "loop", "epilogue", "rate"), cols))
+
+
+def sm_loop_rates(times: dict[str, np.ndarray], t: np.ndarray, sms: int) -> np.ndarray:
+    """Per SM (``sms`` of them), the mean tile-loop rate (GB/s) of its programs' traced
+    works (``work_times`` of the trace ``t``; 0 for an SM that ran none)."""
+    sm = t[times["program"].astype(int), 2].astype(int)
+    total = np.bincount(sm, weights=times["rate"], minlength=sms)
+    return total / np.maximum(np.bincount(sm, minlength=sms), 1)
 
 
 def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) -> None:
     case = Case(batch, context, query_len)  # the seed's: FP8 per-tensor, 16/1 heads, page 1024
     plan, args, kw = fixed_plan_call(case, gen)
     step_us = time_graph([lambda: pagedattn.paged_decode(*args, **kw)] * 8).us_p50
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def rates(run_plan, run_trace):
+        return sm_loop_rates(work_times(run_plan, run_trace, case.head_dim), run_trace, sms)
+
     t = traced_run(plan, args, kw)
+    times = work_times(plan, t, case.head_dim)
+    first = sm_loop_rates(times, t, sms)
     # The same step twice more: once over the same cache, once over a fresh one (other page
     # placement); whether an SM's loop rate repeats tells a slow SM from slow data.
-    same = sm_loop_rates(plan, traced_run(plan, args, kw), case.head_dim)
+    same = rates(plan, traced_run(plan, args, kw))
     plan2, args2, kw2 = fixed_plan_call(case, gen)
-    fresh = sm_loop_rates(plan2, traced_run(plan2, args2, kw2), case.head_dim)
-    first = sm_loop_rates(plan, t, case.head_dim)
+    fresh = rates(plan2, traced_run(plan2, args2, kw2))
     t0 = t[:, 0].min()
     start, end = t[:, 0] - t0, t[:, 1] - t0
-    indptr = plan.work_indptr.cpu().numpy()
-    works = plan.works.cpu().numpy()
-    n_works = np.diff(indptr)
-    setup, loop, epi, rate = [], [], [], []
-    for p in range(plan.num_programs):
-        for i in range(min(n_works[p], TRACE_WORKS)):
-            w0, w1, w2 = t[p, 3 + 3 * i : 6 + 3 * i]
-            nxt = t[p, 3 + 3 * (i + 1)] if i + 1 < min(n_works[p], TRACE_WORKS) else t[p, 1]
-            setup.append(w1 - w0)
-            loop.append(w2 - w1)
-            epi.append(nxt - w2)
-            rec = works[indptr[p] + i]
-            nbytes = int(rec[6] - rec[5]) * case.head_dim * 2  # FP8 K + V of the work's tokens
-            rate.append(nbytes / max(w2 - w1, 1e-3) / 1e3)  # GB/s
-    sm_end = np.zeros(int(t[:, 2].max()) + 1)
+    n_works = np.diff(plan.work_indptr.cpu().numpy())
+    setup, loop, epi, rate = (times[k] for k in ("setup", "loop", "epilogue", "rate"))
+    sm_end = np.zeros(sms)
     np.maximum.at(sm_end, t[:, 2].astype(int), end)
     kv = kv_bytes(case)
     span = end.max()
