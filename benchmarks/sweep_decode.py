@@ -69,6 +69,12 @@ def main() -> None:
         "block_r:block_d:slot_block:stages:warps",
     )
     parser.add_argument(
+        "--page-alias",
+        default="0",
+        help="page counts, e.g. 0,8: 0 reads the cache as built; N > 0 maps every block-table "
+        "entry to one of N pages (L2-resident for small N), timing the loop without DRAM",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="also print each config's relative error against the float64 reference",
@@ -98,11 +104,7 @@ def main() -> None:
         q = torch.randn(batch * query_len, 16, 128, generator=gen, device=device)
         q = q.to(getattr(torch, args.q_dtype))
         nbytes = kv_bytes(lens, 1, 128, kv_dtype.itemsize, kv_scale == "per_token")
-        a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-        ref = None
-        if args.check:
-            ref = paged_decode_torch(*a, **kw)
         best = None
         grids = (
             [int(x) for x in args.programs.split(",")]
@@ -114,7 +116,21 @@ def main() -> None:
                 head_dim=128, rows=query_len * 16, kv_dtype=kv_dtype, partition_size=256
             ).tail_stages
         )
-        for flags, programs, bn, warps, pf, st, tail, regs, chunk, red, part in itertools.product(
+        for (
+            alias,
+            flags,
+            programs,
+            bn,
+            warps,
+            pf,
+            st,
+            tail,
+            regs,
+            chunk,
+            red,
+            part,
+        ) in itertools.product(
+            [int(x) for x in args.page_alias.split(",")],
             args.flags.split(","),
             grids,
             [int(x) for x in args.block_n.split(",")],
@@ -127,6 +143,9 @@ def main() -> None:
             args.reduce.split(";"),
             [int(x) for x in args.partition.split(",")],
         ):
+            table = cache.block_table % alias if alias else cache.block_table
+            a = (q, cache.k_cache, cache.v_cache, table, cache.seq_lens)
+            ref = paged_decode_torch(*a, **kw) if args.check else None
             plan = pagedattn.plan_decode(
                 cache.seq_lens,
                 num_q_heads=16,
@@ -170,6 +189,7 @@ def main() -> None:
             gbps = nbytes / (ms * 1e-3) / 1e9
             row = (
                 shape,
+                alias,
                 flags,
                 programs,
                 bn,
@@ -191,10 +211,10 @@ def main() -> None:
                 best = row
         print("best:", best)
     print(
-        "| shape | flags | programs | block_n | warps | tma | stages | tail stages | maxnreg "
-        "| chunk | reduce | partition | µs | GB/s | % read |"
+        "| shape | page alias | flags | programs | block_n | warps | tma | stages | tail stages "
+        "| maxnreg | chunk | reduce | partition | µs | GB/s | % read |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * len(rows[0] if rows else range(16)) + "|")
     for r in rows:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 
