@@ -15,16 +15,22 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+# The seed grid (DESIGN.md / PEERS.md workload), as the tuner's presets spell it, and its
+# validation of one step's fields.
+from pagedattn.tuning.tuner import (
+    KV_SCALES,
+    SEED_BATCHES,
+    SEED_CONTEXTS,
+    SEED_QUERY_LENS,
+    Shape,
+)
+
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 Q_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BYTES_PER_ELEMENT = {"fp8": 1, "bf16": 2, "fp16": 2}
 SCALE_BYTES = 4  # float32
-SCALE_MODES = ("per_tensor", "per_token")
+SCALE_MODES = KV_SCALES
 
-# The seed grid (DESIGN.md / PEERS.md workload).
-SEED_BATCHES = (1, 16, 64, 128, 256)
-SEED_CONTEXTS = (1024, 8192, 32768)
-SEED_QUERY_LENS = (1, 4)
 RAGGED_BATCH = 64
 RAGGED_RANGE = (256, 32768)  # lengths uniform in low..high, both included
 RAGGED_SEED = 0
@@ -55,29 +61,21 @@ class Case:
     seed: int = RAGGED_SEED
 
     def __post_init__(self):
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype: expected one of {tuple(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.q_dtype not in Q_DTYPES:
             raise ValueError(f"q_dtype: expected one of {tuple(Q_DTYPES)}, got {self.q_dtype!r}")
-        if self.kv_dtype == "fp8" and self.kv_scale not in SCALE_MODES:
-            raise ValueError(
-                f"kv_scale: expected one of {SCALE_MODES} for fp8, got {self.kv_scale!r}"
-            )
-        if self.kv_dtype != "fp8" and self.kv_scale is not None:
-            raise ValueError(f"kv_scale: expected None for {self.kv_dtype}, got {self.kv_scale!r}")
-        for name in ("batch", "context", "query_len", "page_size", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_q_heads: expected a multiple of num_kv_heads ({self.num_kv_heads}), "
-                f"got {self.num_q_heads}"
-            )
-        shortest = self.ragged[0] if self.ragged else self.context
-        if shortest < self.query_len:
-            raise ValueError(
-                f"context: every length must be >= query_len ({self.query_len}), got {shortest}"
-            )
+        # The step's other fields are checked as the tuner checks a shape; a ragged batch by
+        # its shortest length (every length must hold the query_len new tokens).
+        Shape(
+            batch=self.batch,
+            context=self.ragged[0] if self.ragged else self.context,
+            query_len=self.query_len,
+            kv_scale=self.kv_scale,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            kv_dtype=self.kv_dtype,
+        )
 
     def seq_lens(self) -> list[int]:
         """Tokens per sequence, ``batch`` of them (reproducible for a ragged batch)."""

@@ -111,6 +111,10 @@ def test_flags_replace_the_preset_by_their_grid():
         ("context", 2, "must be >= query_len"),
         ("kv_dtype", "int8", "kv_dtype: expected one of"),
         ("num_q_heads", 3, "multiple of num_kv_heads"),
+        ("page_size", 3, "page_size: expected a power of two"),
+        ("head_dim", 96, "head_dim: expected 64, 128 or 256"),
+        ("ragged", (2, 64), "must be >= query_len"),  # the shortest length counts
+        ("q_dtype", "fp8", "q_dtype: expected one of"),
     ],
 )
 def test_bad_case_is_a_value_error(field, value, match):
