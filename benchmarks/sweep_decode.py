@@ -118,20 +118,7 @@ def main() -> None:
                 head_dim=128, rows=query_len * 16, kv_dtype=kv_dtype, partition_size=256
             ).tail_stages
         )
-        for (
-            alias,
-            flags,
-            programs,
-            bn,
-            warps,
-            pf,
-            st,
-            tail,
-            regs,
-            chunk,
-            red,
-            part,
-        ) in itertools.product(
+        for params in itertools.product(
             [int(x) for x in args.page_alias.split(",")],
             args.flags.split(","),
             grids,
@@ -145,6 +132,7 @@ def main() -> None:
             args.reduce.split(";"),
             [int(x) for x in args.partition.split(",")],
         ):
+            alias, flags, programs, bn, warps, pf, st, tail, regs, chunk, red, part = params
             table = cache.block_table % alias if alias else cache.block_table
             a = (q, cache.k_cache, cache.v_cache, table, cache.seq_lens)
             if args.check and alias not in refs:
@@ -191,24 +179,7 @@ def main() -> None:
                 err = rel_error(out, ref)
                 print(f"{shape} flags {flags} chunk {chunk}: rel err {err:.3e}")
             gbps = nbytes / (ms * 1e-3) / 1e9
-            row = (
-                shape,
-                alias,
-                flags,
-                programs,
-                bn,
-                warps,
-                pf,
-                st,
-                tail,
-                regs,
-                chunk,
-                red,
-                part,
-                ms * 1e3,
-                gbps,
-                100 * gbps / ceiling,
-            )
+            row = (shape, *params, ms * 1e3, gbps, 100 * gbps / ceiling)  # the header's order
             rows.append(row)
             print(row, flush=True)
             if best is None or row[-3] < best[-3]:  # fastest
