@@ -2,11 +2,12 @@
 # Everything on the GPU machine in ONE call: tests at realistic sizes, compute-sanitizer on a
 # small decode, scheduler timing, the offline tuner, the side-by-side benchmark; a short
 # summary printed last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
-#   bash scripts/gpu_check.sh [tests|tune|bench|all|profile|ab] [args...]
-# (profile: host time of the calls and the per-program decode trace; not part of all, which
-# already fills most of the 8 files a call brings back. ab VAR: the seed, bf16 and page-16
-# benchmarks with VAR=0 and VAR=1 in turn, packed into $OUT/ab.tar.gz; compare the CSVs
-# with scripts/ab_env.py)
+#   bash scripts/gpu_check.sh [tests|fuzz|tune|bench|all|profile|ab|ab_src] [args...]
+# (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
+# the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
+# $OUT/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
+# pagedattn alone with the sources in DIR (a checkout's src/ and benchmarks/) and with these,
+# A B A B, compared by scripts/ab_env.py)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -32,6 +33,19 @@ if [[ $MODE == tests || $MODE == all ]]; then
   compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/sanitize_decode.py \
     >"$LOGS/sanitizer.log" 2>&1
   summary+=("sanitizer (rc $?): $(grep -E 'ERROR SUMMARY|rel err' "$LOGS/sanitizer.log" | tr '\n' ' ')")
+  cp "$LOGS"/pytest.log "$OUT"/
+fi
+
+if [[ $MODE == fuzz || $MODE == all ]]; then
+  python3 scripts/fuzz.py --valid 10000 --corrupt 1000 --seconds "${FUZZ_SECONDS:-240}" \
+    >"$LOGS/fuzz.log" 2>&1
+  summary+=("fuzz (rc $?): $(grep -E '^fuzz:' "$LOGS/fuzz.log")")
+  grep -A12 -m3 Traceback "$LOGS/fuzz.log" | head -40
+  compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/fuzz.py --valid 10 \
+    --corrupt 400 --max-batch 8 --max-len 600 --seed 1 --seconds "${SANITIZE_SECONDS:-150}" \
+    >"$LOGS/sanitizer_fuzz.log" 2>&1
+  summary+=("sanitizer fuzz (rc $?): $(grep -E 'ERROR SUMMARY|^fuzz:' "$LOGS/sanitizer_fuzz.log" | tr '\n' ' ')")
+  cp "$LOGS"/fuzz.log "$LOGS"/sanitizer_fuzz.log "$OUT"/ 2>/dev/null
   python3 benchmarks/bench_schedule.py >"$OUT/schedule.md" 2>&1
   summary+=("scheduler: $OUT/schedule.md")
 fi
@@ -74,6 +88,24 @@ if [[ $MODE == ab ]]; then
     python3 scripts/ab_env.py "$AB/${VAR}_0/$name.csv" "$AB/${VAR}_1/$name.csv" | grep geomean
   done
   tar -C $AB -czf "$OUT/ab.tar.gz" .
+fi
+
+if [[ $MODE == ab_src ]]; then
+  BASE=$1
+  AB=/tmp/ab_src
+  mkdir -p $AB
+  for round in 1 2; do
+    for v in base new; do
+      src=$PWD/src
+      [[ $v == base ]] && src=$PWD/$BASE/src
+      PYTHONPATH=$src:${PYTHONPATH#*:} python3 -m pagedattn bench --preset seed \
+        --providers pagedattn --no-plots --out "$AB/${v}_$round" >"$LOGS/ab_${v}_$round.log" 2>&1
+      summary+=("ab_src $v round $round rc $?")
+    done
+  done
+  python3 scripts/ab_env.py "$AB/base_1/seed.csv,$AB/base_2/seed.csv" \
+    "$AB/new_1/seed.csv,$AB/new_2/seed.csv" | tee "$OUT/ab_src.md" | tail -45
+  tar -C $AB -czf "$OUT/ab_src.tar.gz" .
 fi
 
 echo "================ summary"

@@ -3,7 +3,7 @@
 Every bad argument must raise the documented ``TypeError`` (wrong kind of object or dtype) or
 ``ValueError`` (wrong value or shape) with a message that names the argument, what was expected
 and what came; each case below pins all three with ``pytest.raises(..., match=...)``. The
-``debug=True`` checks that read values back (lengths, page ids) are covered too, and one real
+faults ``debug=True`` raises (lengths, page ids, stale plans) are covered too, and one real
 decode per entry point, run through Triton's interpreter on CPU, shows valid arguments pass.
 """
 
@@ -961,37 +961,31 @@ def test_paged_decode_seq_lens_stride():
 
 
 # --------------------------------------------------------------------------------------------
-# paged_decode(debug=True): checks that read values back
+# paged_decode(debug=True): the faults the kernels recorded, raised
 # --------------------------------------------------------------------------------------------
+
+
+def _debug_fault(args: dict, seq: int, reason: str, **kwargs) -> None:
+    with pytest.raises(ValueError, match=rf"faulty sequence.*sequence {seq}: {reason}"):
+        _decode(args, debug=True, **kwargs)
 
 
 def test_debug_rejects_seq_len_below_query_len():
     args = _inputs(query_len=2)
     args["seq_lens"] = _seq_lens((1, 12))
-    with pytest.raises(
-        ValueError, match=r"seq_lens: expected every value >= query_len=2, got seq_lens\[0\]=1"
-    ):
-        _decode(args, debug=True)
+    _debug_fault(args, 0, "length between 1 and query_len - 1")
 
 
 def test_debug_rejects_negative_seq_len():
     args = _inputs()
     args["seq_lens"] = _seq_lens((5, -1))
-    with pytest.raises(
-        ValueError, match=r"seq_lens: expected every value >= query_len=1, got seq_lens\[1\]=-1"
-    ):
-        _decode(args, debug=True)
+    _debug_fault(args, 1, "negative length")
 
 
 def test_debug_rejects_seq_len_beyond_block_table():
     args = _inputs()
     args["seq_lens"] = _seq_lens((5, MAX_PAGES * PAGE + 1))
-    pattern = (
-        rf"seq_lens: expected every value <= block_table capacity {MAX_PAGES} pages x "
-        rf"page_size {PAGE} = {MAX_PAGES * PAGE}, got seq_lens\[1\]={MAX_PAGES * PAGE + 1}"
-    )
-    with pytest.raises(ValueError, match=pattern):
-        _decode(args, debug=True)
+    _debug_fault(args, 1, re.escape("length beyond the block table's capacity"))
 
 
 @pytest.mark.parametrize(
@@ -1007,12 +1001,15 @@ def test_debug_rejects_bad_page_id_in_used_page(row, col, page_id):
     args = _inputs()
     args["block_table"] = args["block_table"].clone()
     args["block_table"][row, col] = page_id
-    pattern = (
-        rf"block_table: expected page ids in 0\.\.{NUM_PAGES - 1} for every page a sequence uses, "
-        rf"got block_table\[{row}, {col}\]={page_id}"
+    _debug_fault(args, row, re.escape("a page id outside [0, num_pages)"))
+
+
+def test_debug_rejects_stale_plan():
+    args = _inputs()
+    plan = pagedattn.plan_decode(_seq_lens((5, 11)), **_plan_kwargs())
+    _debug_fault(
+        args, 1, re.escape("length differs from the one the plan was made from"), plan=plan
     )
-    with pytest.raises(ValueError, match=pattern):
-        _decode(args, debug=True)
 
 
 @pytest.mark.parametrize("page_id", [-1, NUM_PAGES], ids=["negative", "num_pages"])

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedattn
-from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy
+from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy, valid_lens
 from pagedattn.tuning.launch import (
     default_grid_multiplier,
     default_num_programs,
@@ -35,8 +35,9 @@ def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_
 
 
 def check_invariants(plan, lens, partition_size):
-    """The work-list model of DESIGN.md, checked from the host-side view of the plan."""
-    lens = np.asarray(lens)
+    """The work-list model of DESIGN.md, checked from the host-side view of the plan: every
+    sequence has one partition at least (a padding slot's or an invalid length's is empty)."""
+    lens = valid_lens(lens, plan.query_len)
     items = plan.work_items()
     per_head = plan.num_programs // plan.num_kv_heads
     indptr = plan.work_indptr.cpu().numpy()
@@ -49,9 +50,12 @@ def check_invariants(plan, lens, partition_size):
     for w in items:
         assert w.program // per_head == w.kv_head
         assert w.token_start % partition_size == 0
-        assert 0 <= w.token_start < w.token_end <= lens[w.seq]
+        if lens[w.seq] == 0:
+            assert w.token_start == w.token_end == 0 and w.partial_slot == -1
+        else:
+            assert 0 <= w.token_start < w.token_end <= lens[w.seq]
         first = w.token_start // partition_size
-        end = -(-w.token_end // partition_size)
+        end = max(-(-w.token_end // partition_size), first + 1)
         for part in range(first, end):
             key = (w.seq, w.kv_head, part)
             assert key not in covered, f"{key} covered twice"
@@ -60,14 +64,15 @@ def check_invariants(plan, lens, partition_size):
         (b, h, part)
         for b in range(len(lens))
         for h in range(plan.num_kv_heads)
-        for part in range(-(-int(lens[b]) // partition_size))
+        for part in range(max(-(-int(lens[b]) // partition_size), 1))
     }
     assert set(covered) == expected
 
     # Per kv head, any two programs' loads differ by at most one partition.
     load = np.zeros(plan.num_programs, dtype=np.int64)
     for w in items:
-        load[w.program] += -(-w.token_end // partition_size) - w.token_start // partition_size
+        end = -(-w.token_end // partition_size)
+        load[w.program] += max(end - w.token_start // partition_size, 1)
     for h in range(plan.num_kv_heads):
         head_load = load[h * per_head : (h + 1) * per_head]
         assert head_load.max() - head_load.min() <= 1
@@ -104,13 +109,21 @@ def check_matches_numpy(plan, lens, partition_size):
         num_kv_heads=plan.num_kv_heads,
         group=plan.group,
         partition_size=partition_size,
+        query_len=plan.query_len,
     )
     n = int(indptr[-1])
     np.testing.assert_array_equal(plan.work_indptr.cpu().numpy(), indptr)
     np.testing.assert_array_equal(plan.works[:n].cpu().numpy(), works[:n])
     np.testing.assert_array_equal(plan.reduces.cpu().numpy(), reduces)
     per_head = plan.num_programs // plan.num_kv_heads
-    assert plan.step_partition_size() == (partition_size or auto_partition_size(lens, per_head))
+    assert plan.step_partition_size() == (
+        partition_size or auto_partition_size(lens, per_head, plan.query_len)
+    )
+    # The plan remembers its lengths, and the scheduler's fault codes match the rules.
+    np.testing.assert_array_equal(plan.planned_lens.cpu().numpy(), np.asarray(lens))
+    bad = {f.seq for f in plan.faults()}
+    lens = np.asarray(lens)
+    assert bad == {int(b) for b in np.flatnonzero(valid_lens(lens, plan.query_len) != lens)}
 
 
 def assert_same_plan(a, b):
@@ -129,6 +142,7 @@ def batches(draw):
     kind = st.one_of(
         st.integers(1, 4 * partition_size),
         st.sampled_from([1, partition_size, 2 * partition_size, partition_size + 1]),
+        st.sampled_from([0, -1, -(2**31), 2**31 - 1]),  # padding slots and invalid lengths
     )
     lens = draw(st.lists(kind, min_size=batch, max_size=batch))
     if draw(st.booleans()):  # one huge sequence among tiny ones
@@ -138,7 +152,8 @@ def batches(draw):
     group = draw(st.sampled_from([1, 4]))
     if draw(st.booleans()):
         partition_size = None  # the scheduler picks it from the lengths
-    return lens, partition_size, num_kv_heads, num_programs, group
+    query_len = draw(st.sampled_from([1, 1, 3]))
+    return lens, partition_size, num_kv_heads, num_programs, group, query_len
 
 
 @settings(
@@ -146,13 +161,14 @@ def batches(draw):
 )
 @given(batches())
 def test_plan_invariants_and_numpy_twin(case):
-    lens, partition_size, num_kv_heads, num_programs, group = case
+    lens, partition_size, num_kv_heads, num_programs, group, query_len = case
     plan = make_plan(
         lens,
         num_kv_heads=num_kv_heads,
         group=group,
         num_programs=num_programs,
         partition_size=partition_size,
+        query_len=query_len,
     )
     check_matches_numpy(plan, lens, partition_size)
     check_invariants(plan, lens, plan.step_partition_size())

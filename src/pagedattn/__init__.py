@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from . import _backend  # noqa: F401  (before Triton: picks its interpreter without a GPU)
 from .api import paged_decode, plan_decode
 from .cache import (
     PagedCache,

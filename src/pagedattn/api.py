@@ -153,6 +153,12 @@ def plan_decode(
         Device tensors only. Its sizes depend on batch, program count, query length and heads,
         never on the values of ``seq_lens``, so this call may be captured in a CUDA graph.
     """
+    num_q_heads, num_kv_heads, head_dim, page_size, query_len = map(
+        checks.plain_number, (num_q_heads, num_kv_heads, head_dim, page_size, query_len)
+    )
+    num_programs, partition_size, max_seq_len = map(
+        checks.plain_number, (num_programs, partition_size, max_seq_len)
+    )
     batch = checks.check_plan_args(
         seq_lens,
         num_q_heads=num_q_heads,
@@ -243,7 +249,15 @@ def plan_decode(
     pdl = pdl_enabled(device)
     _launch_schedule(
         (grid,),
-        (seq_lens, plan.metadata, batch, plan.max_works, plan.max_reduces),
+        (
+            seq_lens,
+            plan.metadata,
+            batch,
+            plan.max_works,
+            plan.max_reduces,
+            query_len,
+            plan.max_seq_len,
+        ),
         (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION_SHIFT, BLOCK_B, SINGLE_BLOCK,
             # WINDOW, LOCALS, PDL
             num_programs // num_kv_heads,
@@ -339,13 +353,16 @@ def paged_decode(
         ``[num_pages, num_kv_heads, page_size, head_dim]`` ("HND"); any strides (they may be
         views of one tensor); bf16/fp16 (q's dtype) or ``torch.float8_e4m3fn``.
     block_table : torch.Tensor
-        ``[batch, max_pages_per_seq]`` int32 page ids.
+        ``[batch, max_pages_per_seq]`` int32 page ids; only the columns a sequence's length
+        uses are read.
     seq_lens : torch.Tensor
-        ``[batch]`` int32, tokens in the cache per sequence including the new ones;
-        ``seq_lens[b] >= query_len`` is required (checked only with ``debug=True``).
+        ``[batch]`` int32, tokens in the cache per sequence including the new ones:
+        ``seq_lens[b] >= query_len``, or 0 for a padding slot (zero rows, LSE ``-inf``, no KV
+        read). Values are checked on the device (see Notes, Robustness).
     plan : DecodePlan, optional
-        From :func:`plan_decode` for this step (make it once, reuse it for every layer).
-        Without it the call plans itself (one extra launch).
+        From :func:`plan_decode` for this step (make it once, reuse it for every layer);
+        made from these ``seq_lens`` (a sequence whose length changed since gets NaN rows
+        and a stale-plan fault). Without it the call plans itself (one extra launch).
     sm_scale : float, optional
         Softmax scale; default ``head_dim ** -0.5``.
     k_scale, v_scale : torch.Tensor, optional
@@ -361,8 +378,8 @@ def paged_decode(
         Also return the float32 log-sum-exp of the scaled scores (natural log),
         ``[batch * query_len, num_q_heads]``.
     debug : bool
-        Add the checks that read values back from the GPU (lengths vs. query_len and the
-        block table's capacity, page ids in range). Syncs; not for CUDA-graph capture.
+        After the step, read the plan's faults back (syncs; not for CUDA-graph capture) and
+        raise a ``ValueError`` listing them (invalid lengths or page ids, a stale plan).
     exact_qk : bool
         Never take Q K^T on FP8 tensor cores (see Notes): FP8 keys are converted to fp16
         first, as everywhere else, whatever the launch config says.
@@ -392,6 +409,13 @@ def paged_decode(
     environment turns that off. The result is deterministic: the same inputs and plan give
     the same bits.
 
+    Robustness: no values of ``seq_lens`` or ``block_table`` make a kernel read or write out
+    of bounds. A sequence whose length is negative, between 0 and ``query_len``, beyond the
+    block table's capacity (columns x page_size) or different from the one the plan was
+    made from, or whose used pages include an id outside ``[0, num_pages)``, gets NaN output
+    rows and NaN LSE; the other sequences are unaffected, and the plan records the fault
+    (:meth:`DecodePlan.faults`).
+
     Numerics, relative error ‖out − ref‖ / ‖ref‖ against the float64 reference on random data
     (bounded in ``tests/test_decode.py``): the computation adds about 2e-4 for FP8 and fp16
     caches (e4m3 values convert exactly to fp16; a bf16 query meets FP8 keys in fp16 after an
@@ -405,6 +429,7 @@ def paged_decode(
     precisely than float32, so the computation adds about 9e-4 instead of 2e-4 (H200).
     ``exact_qk=True`` turns it off.
     """
+    sm_scale, sliding_window = checks.plain_number(sm_scale), checks.plain_number(sliding_window)
     shape = checks.check_decode_args(
         q,
         k_cache,
@@ -420,8 +445,6 @@ def paged_decode(
         out=out,
         flags=(("return_lse", return_lse), ("debug", debug), ("exact_qk", exact_qk)),
     )
-    if debug:
-        checks.check_values(block_table, seq_lens, shape)
     if plan is None:
         plan = plan_decode(
             seq_lens,
@@ -492,9 +515,13 @@ def paged_decode(
         *_scale_strides(v_scale, kv_layout),
         block_table,
         *block_table.stride(),
+        shape.num_pages,
+        min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
         seq_lens,
         plan.metadata,
         plan.works_offset,
+        plan.planned_lens_offset,
+        plan.faults_offset,
         out,
         out.stride(0),
         out.stride(1),
@@ -534,6 +561,15 @@ def paged_decode(
     )
     _decode_kernel[(plan.num_programs,)](*args, **constexprs, PDL=pdl, launch_pdl=pdl)
     reduce_partials(plan, out, lse, config.reduce)
+    if debug:
+        faults = plan.faults()
+        if faults:
+            listed = "; ".join(map(str, faults[:8]))
+            more = f" (and {len(faults) - 8} more)" if len(faults) > 8 else ""
+            raise ValueError(
+                f"seq_lens/block_table: {len(faults)} faulty sequence(s), whose rows are NaN: "
+                f"{listed}{more}"
+            )
     return (out, lse) if return_lse else out
 
 

@@ -3,15 +3,19 @@
 Called at the public boundary only (``api.py``). Every failure is a ``TypeError`` (wrong kind
 of object or dtype) or ``ValueError`` (wrong value or shape) whose message names the argument,
 what was expected and what came. Nothing here reads tensor values, so nothing syncs with the
-GPU, except :func:`check_values`, which ``paged_decode(debug=True)`` adds.
+GPU: lengths and page ids are checked by the kernels themselves (faults, see ``plan.py``).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
+
+from ._kernels import records
+from ._kernels.common import interpreting
 
 HEAD_DIMS = (64, 128, 256)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -21,7 +25,7 @@ KV_LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 4096
 # Query rows of one kv head (query_len * group) held in one tile by the decode kernel.
 MAX_ROWS = 128
-MIN_PARTITION = 16
+MIN_PARTITION = records.MIN_PARTITION
 
 
 class DecodeShape(NamedTuple):
@@ -35,6 +39,15 @@ class DecodeShape(NamedTuple):
     max_pages_per_seq: int
     kv_dtype: torch.dtype
     kv_scale: str | None
+
+
+def plain_number(x):
+    """A numeric scalar of another type (``numpy.float32``, ``numpy.int64``, ...) as the Python
+    int or float it stands for, so checks and kernels see plain numbers; bools and anything
+    else come back unchanged."""
+    if isinstance(x, (bool, int, float)) or not isinstance(x, numbers.Real):
+        return x
+    return int(x) if isinstance(x, numbers.Integral) else float(x)
 
 
 def _fail(cls, name: str, expected: str, got) -> None:
@@ -71,9 +84,24 @@ def _names(dtypes) -> str:
     return "(" + ", ".join(str(d).replace("torch.", "") for d in dtypes) + ")"
 
 
+def check_device(name: str, x: torch.Tensor) -> None:
+    """The kernels run on CUDA tensors, or on CPU tensors through Triton's interpreter."""
+    if x.device.type == "cuda" or (x.device.type == "cpu" and interpreting()):
+        return
+    how = ""
+    if x.device.type == "cpu":
+        how = (
+            "; CPU tensors run only through Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported (importing pagedattn first on a machine without a GPU "
+            "sets it)"
+        )
+    _fail(ValueError, name, "a CUDA tensor", f"one on {x.device}{how}")
+
+
 def check_seq_lens(seq_lens) -> int:
     """Checks ``seq_lens`` ([batch] int32) and returns the batch size."""
     _tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    check_device("seq_lens", seq_lens)
     if seq_lens.shape[0] > 1 and seq_lens.stride(0) != 1:
         _fail(
             ValueError, "seq_lens", "a contiguous tensor (stride 1)", f"stride {seq_lens.stride(0)}"
@@ -330,43 +358,3 @@ def check_plan_matches(plan, shape: DecodeShape, device: torch.device) -> None:
             _fail(ValueError, "plan", f"{field}={want!r} (from the inputs)", f"{field}={got!r}")
     if plan.device != device:
         _fail(ValueError, "plan", f"device {device} (q's)", plan.device)
-
-
-def check_values(block_table: torch.Tensor, seq_lens: torch.Tensor, shape: DecodeShape) -> None:
-    """Checks that need the values (copies them to the host): ``paged_decode(debug=True)``."""
-    lens = seq_lens.cpu()
-    if shape.batch == 0:
-        return
-    low = int(lens.min())
-    if low < shape.query_len:
-        b = int(torch.argmin(lens))
-        _fail(
-            ValueError,
-            "seq_lens",
-            f"every value >= query_len={shape.query_len}",
-            f"seq_lens[{b}]={low}",
-        )
-    capacity = shape.max_pages_per_seq * shape.page_size
-    high = int(lens.max())
-    if high > capacity:
-        b = int(torch.argmax(lens))
-        _fail(
-            ValueError,
-            "seq_lens",
-            f"every value <= block_table capacity {shape.max_pages_per_seq} pages x "
-            f"page_size {shape.page_size} = {capacity}",
-            f"seq_lens[{b}]={high}",
-        )
-    table = block_table.cpu()
-    pages = (lens.to(torch.int64) + shape.page_size - 1) // shape.page_size
-    used = torch.arange(table.shape[1])[None, :] < pages[:, None]
-    ids = table[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shape.num_pages):
-        bad = used & ((table < 0) | (table >= shape.num_pages))
-        b, j = (int(i) for i in bad.nonzero()[0])
-        _fail(
-            ValueError,
-            "block_table",
-            f"page ids in 0..{shape.num_pages - 1} for every page a sequence uses",
-            f"block_table[{b}, {j}]={int(table[b, j])}",
-        )

@@ -3,28 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 
-def _ensure_backend() -> None:
-    """Without a GPU, Triton's kernels run only through its interpreter, which must be chosen
-    before Triton is imported: re-run this command with ``TRITON_INTERPRET=1``."""
-    import torch
-
-    from pagedattn._kernels.common import interpreting
-
-    if torch.cuda.is_available() or interpreting():
-        return
-    if "triton" in sys.modules:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        os.execve(sys.executable, [sys.executable, "-m", "pagedattn", *sys.argv[1:]], env)
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
 def demo(args: argparse.Namespace) -> int:
-    _ensure_backend()
     import torch
 
     import pagedattn

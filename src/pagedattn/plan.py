@@ -20,8 +20,18 @@ Record layouts (int32, all views of one buffer ``plan.metadata``):
     slots ``first_slot : first_slot + num_slots`` in token order; the merged result goes to
     ``out`` rows of ``seq``, heads of ``kv_head``. ``seq == -1`` marks an unused record.
 
-``metadata[-1]``
+``partition`` (one element)
     The partition size the scheduler used for this step (see ``partition_size``).
+``planned_lens[batch]``
+    The ``seq_lens`` the plan was made from (the decode kernel compares them with the ones it
+    is given: a sequence whose length changed gets NaN rows and a stale-plan fault).
+``faults[batch]``
+    Per sequence, a bit set of fault codes (``_kernels/records.py``): the scheduler sets the
+    length faults and clears the rest; the decode kernel adds capacity, page-id and stale-plan
+    faults. :meth:`DecodePlan.faults` reads them.
+
+Every sequence has at least one partition: a padding slot (length 0) or an invalid length
+counts as one partition of no tokens, whose work writes zeros (padding) or NaN (invalid).
 
 Partial buffers (float32): ``partial_out[max_partials, query_len * group, head_dim]`` and
 ``partial_lse[max_partials, query_len * group]`` (LSE in log2 units; -inf for a row that saw
@@ -37,10 +47,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ._kernels import records
 from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN
 
-WORK_FIELDS = 8
-REDUCE_FIELDS = 4
+WORK_FIELDS = records.WORK_FIELDS.value
+REDUCE_FIELDS = records.REDUCE_FIELDS.value
 
 
 class WorkItem(NamedTuple):
@@ -50,6 +61,17 @@ class WorkItem(NamedTuple):
     token_start: int
     token_end: int
     partial_slot: int
+
+
+class Fault(NamedTuple):
+    """A sequence the last step could not attend: its output rows and LSE are NaN."""
+
+    seq: int
+    code: int  # one bit of ``pagedattn._kernels.records.FAULT_*``
+    reason: str
+
+    def __str__(self) -> str:
+        return f"sequence {self.seq}: {self.reason}"
 
 
 def plan_sizes(batch: int, num_programs: int, num_kv_heads: int) -> tuple[int, int, int]:
@@ -144,6 +166,52 @@ class DecodePlan:
         return self.reduces_offset + self.max_reduces * REDUCE_FIELDS
 
     @property
+    def planned_lens_offset(self) -> int:
+        """Element offset of ``planned_lens`` (the lengths the plan was made from)."""
+        return self.partition_offset + 1
+
+    @property
+    def faults_offset(self) -> int:
+        """Element offset of ``faults`` (a bit set of fault codes per sequence)."""
+        return self.planned_lens_offset + self.batch
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence this plan accepts (longer ones are faults)."""
+        return records.max_seq_len_supported(self.batch)
+
+    @functools.cached_property
+    def planned_lens(self) -> torch.Tensor:  # [batch] int32
+        return self.metadata.as_strided((self.batch,), (1,), self.planned_lens_offset)
+
+    def faults(self) -> list[Fault]:
+        """The faults recorded since the plan was last filled (by ``plan_decode``), one per
+        (sequence, reason), in sequence order. Copies to the host: syncs."""
+        codes = self.metadata[self.faults_offset : self.faults_offset + self.batch].tolist()
+        return [
+            Fault(seq, bit, reason)
+            for seq, code in enumerate(codes)
+            if code
+            for bit, reason in records.FAULT_REASONS.items()
+            if code & bit
+        ]
+
+    def __repr__(self) -> str:
+        group = self.num_q_heads // self.num_kv_heads
+        kv = str(self.kv_dtype).replace("torch.", "")
+        if self.kv_scale is not None:
+            kv += f" ({self.kv_scale})"
+        partition = self.partition_size or "picked per step"
+        return (
+            f"DecodePlan(batch={self.batch}, query_len={self.query_len}, "
+            f"heads={self.num_q_heads}/{self.num_kv_heads} (group {group}), "
+            f"head_dim={self.head_dim}, page_size={self.page_size}, kv={kv}, "
+            f"num_programs={self.num_programs}, partition_size={partition}, "
+            f"max_works={self.max_works}, max_partials={self.max_partials}, "
+            f"device={self.device})"
+        )
+
+    @property
     def min_partition_size(self) -> int:
         """The smallest partition size a step of this plan can have (decode tiles fit it)."""
         return self.partition_size or int(AUTO_SMALL.value)
@@ -217,7 +285,9 @@ def allocate_plan(
     allocations, no views (each torch call costs host time, and a serving loop may make a
     plan every step)."""
     max_works, max_partials, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
-    n_meta = num_programs + 1 + max_works * WORK_FIELDS + max_reduces * REDUCE_FIELDS + 1
+    n_meta = (
+        num_programs + 1 + max_works * WORK_FIELDS + max_reduces * REDUCE_FIELDS + 1 + 2 * batch
+    )
     rows = query_len * (num_q_heads // num_kv_heads)
     n_partials = max_partials * rows * (head_dim + 1)
     return DecodePlan(
@@ -239,12 +309,25 @@ def allocate_plan(
     )
 
 
-def auto_partition_size(seq_lens, programs_per_head: int) -> int:
+def valid_lens(seq_lens, query_len: int) -> np.ndarray:
+    """The lengths the scheduler builds the work list from: invalid ones (negative, between 0
+    and ``query_len``, above the plan's limit) count as 0 tokens (twin of the kernel's)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    limit = records.max_seq_len_supported(len(lens))
+    return np.where((lens >= query_len) & (lens <= limit), lens, 0)
+
+
+def _partitions(lens: np.ndarray, partition_size: int) -> np.ndarray:
+    # At least one per sequence: a padding slot's or an invalid sequence's is empty.
+    return np.maximum(-(-lens // partition_size), 1)
+
+
+def auto_partition_size(seq_lens, programs_per_head: int, query_len: int = 1) -> int:
     """The partition size the scheduler picks when the plan leaves it open: 128 when
     256-token partitions would leave at least half the programs of a kv head idle and no
     sequence exceeds 32 x 128 tokens, else 256."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    total_large = int((-(-lens // AUTO_LARGE.value)).sum())
+    lens = valid_lens(seq_lens, query_len)
+    total_large = int(_partitions(lens, AUTO_LARGE.value).sum())
     longest = int(lens.max(initial=0))
     if 2 * total_large <= programs_per_head and longest <= AUTO_SMALL_MAX_LEN.value:
         return int(AUTO_SMALL.value)
@@ -252,7 +335,13 @@ def auto_partition_size(seq_lens, programs_per_head: int) -> int:
 
 
 def schedule_numpy(
-    seq_lens, *, num_programs: int, num_kv_heads: int, group: int, partition_size: int | None
+    seq_lens,
+    *,
+    num_programs: int,
+    num_kv_heads: int,
+    group: int,
+    partition_size: int | None,
+    query_len: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NumPy twin of the GPU scheduler, written as a plain walk over programs.
 
@@ -260,13 +349,13 @@ def schedule_numpy(
     kernel writes (``reduces`` padded with -1 rows); unused ``works`` rows are zero here and
     undefined on the GPU, so compare only the first ``work_indptr[-1]`` rows.
     """
-    lens = np.asarray(seq_lens, dtype=np.int64)
+    lens = valid_lens(seq_lens, query_len)
     batch = len(lens)
     per_head = num_programs // num_kv_heads
     if partition_size is None:
         partition_size = auto_partition_size(lens, per_head)
     max_works, _, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
-    parts = -(-lens // partition_size)
+    parts = _partitions(lens, partition_size)
     seq_first = np.concatenate([[0], np.cumsum(parts)])  # first partition of each sequence
     total = int(seq_first[-1])
     base, rem = divmod(total, per_head)

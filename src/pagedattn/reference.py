@@ -179,7 +179,7 @@ def paged_decode_torch(
         pages are never read.
     seq_lens : torch.Tensor
         ``[batch]`` int32; tokens in the cache per sequence, including the ``query_len`` new
-        ones; ``seq_lens[b] >= query_len``.
+        ones; ``seq_lens[b] >= query_len``, or 0 for a padding slot (zero rows, LSE -inf).
     sm_scale : float, optional
         Softmax scale; default ``head_dim ** -0.5``.
     k_scale, v_scale : torch.Tensor, optional
@@ -218,10 +218,10 @@ def paged_decode_torch(
     lengths = [int(n) for n in seq_lens.tolist()]
     max_pages = block_table.shape[1]
     for b, n in enumerate(lengths):
-        if n < query_len:
+        if n < query_len and n != 0:
             raise ValueError(
-                f"seq_lens: expected every length >= query_len ({query_len}), "
-                f"got seq_lens[{b}] = {n}"
+                f"seq_lens: expected every length >= query_len ({query_len}) or 0 (a padding "
+                f"slot), got seq_lens[{b}] = {n}"
             )
         if math.ceil(n / page_size) > max_pages:
             raise ValueError(
@@ -245,6 +245,11 @@ def paged_decode_torch(
     lse = torch.empty(batch * query_len, num_q_heads, dtype=torch.float64, device=q.device)
     offsets = torch.arange(query_len, device=device)
     for b, n in enumerate(lengths):
+        rows = slice(b * query_len, (b + 1) * query_len)
+        if n == 0:  # a padding slot: no keys, zero rows
+            out[rows] = 0.0
+            lse[rows] = float("-inf")
+            continue
         # Earliest key any of this sequence's queries attends; pages before it are skipped.
         first_key = 0 if sliding_window is None else max(0, n - query_len - sliding_window + 1)
         first_page = first_key // page_size
@@ -253,7 +258,6 @@ def paged_decode_torch(
         tokens = slice(start, stop)
         keys = _load_tokens(k_cache, k_scale, pages, tokens, kv_layout)  # [S, Hkv, head_dim]
         values = _load_tokens(v_cache, v_scale, pages, tokens, kv_layout)
-        rows = slice(b * query_len, (b + 1) * query_len)
         queries = q[rows].to(device=device, dtype=torch.float64)
         queries = queries.reshape(query_len, num_kv_heads, group, head_dim)
 

@@ -21,6 +21,17 @@ import triton
 import triton.language as tl
 
 from .common import LN2, dot_any, globaltimer, grid_dependency, smid
+from .records import (
+    FAULT_CAPACITY,
+    FAULT_PAGE_ID,
+    FAULT_STALE_PLAN,
+    WORK_FIELDS,
+    WORK_KV_HEAD,
+    WORK_PARTIAL_SLOT,
+    WORK_SEQ,
+    WORK_TOKEN_END,
+    WORK_TOKEN_START,
+)
 
 # Scale modes (constexpr SCALE_MODE).
 SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
@@ -231,6 +242,7 @@ def _tile_uses_tma(use_tma, masked, tail_stages):
 
 @triton.jit
 def _attend_tile(
+    page_fault,
     m_i,
     l_i,
     v_norm,
@@ -275,6 +287,7 @@ def _attend_tile(
     bt_row,
     stride_bt_col,
     kv_head,
+    num_pages,
     qk_scale,
     offs_n,
     HEAD_DIM: tl.constexpr,
@@ -297,7 +310,9 @@ def _attend_tile(
     K or V tile is live in registers at a time. MASKED=False is the hot path: every key of the
     tile is valid for every row. With per-token scales the accumulator holds the output divided
     by ``v_norm`` (the last tile's largest V scale; see below); otherwise ``v_norm`` passes
-    through.
+    through. A page id outside ``[0, num_pages)`` is read as page 0 and flagged in
+    ``page_fault`` (per token of the tile for gathered tiles, so the flag is reduced once, at
+    the end of the work).
     """
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     # A masked tile in a loop that is not pipelined reads K and V with plain loads, issued
@@ -321,6 +336,9 @@ def _attend_tile(
     else:
         page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col)
     slot_in_page = tok % PAGE_SIZE
+    bad_page = (page < 0) | (page >= num_pages)
+    page = tl.where(bad_page, 0, page)
+    page_fault = page_fault | bad_page
     page64 = page.to(tl.int64)  # caches pass 2^31 bytes
     k_row = page64 * stride_k_page + slot_in_page * stride_k_slot + kv_head * stride_k_head
     v_row = page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
@@ -541,7 +559,7 @@ def _attend_tile(
             TILE_TMA,
             MASKED,
         )
-    return m_new, l_i, v_norm, o0, o1, o2, o3
+    return page_fault, m_new, l_i, v_norm, o0, o1, o2, o3
 
 
 @triton.jit
@@ -570,12 +588,16 @@ def _decode_kernel(
     stride_vs_page,
     stride_vs_slot,
     stride_vs_head,
-    block_table_ptr,  # [batch, max_pages] int32
+    block_table_ptr,  # [batch, max_pages] int32, any values
     stride_bt,
     stride_bt_col,
-    seq_lens_ptr,  # [batch] int32
-    work_indptr_ptr,  # plan.metadata: work_indptr [num_programs + 1] int32, then ...
-    works_offset,  # ... works [max_works, 8] int32 from this element on
+    num_pages,  # page ids outside [0, num_pages) are faults
+    capacity,  # tokens the block table's columns hold (longer sequences are faults)
+    seq_lens_ptr,  # [batch] int32, any values
+    work_indptr_ptr,  # plan.metadata (records.py): work_indptr [num_programs + 1], then ...
+    works_offset,  # ... works [max_works, WORK_FIELDS] from this element on, and
+    planned_lens_offset,  # the lengths the plan was made from [batch], and
+    faults_offset,  # the fault codes [batch]
     out_ptr,  # [batch * query_len, num_q_heads, head_dim]
     stride_o_tok,
     stride_o_head,
@@ -610,6 +632,8 @@ def _decode_kernel(
     ROWS: tl.constexpr = QUERY_LEN * GROUP
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     works_ptr = work_indptr_ptr + works_offset
+    planned_lens_ptr = work_indptr_ptr + planned_lens_offset
+    faults_ptr = work_indptr_ptr + faults_offset
     partial_lse_ptr = partial_out_ptr + lse_offset
     pid = tl.program_id(0)
     if TRACE:
@@ -642,13 +666,23 @@ def _decode_kernel(
             trace_on = w - work_begin < TRACE_WORKS
             if trace_on:
                 tl.store(trace_work, globaltimer())
-        rec = works_ptr + w * 8
-        seq = tl.load(rec + 1)
-        kv_head = tl.load(rec + 2)
-        token_start = tl.load(rec + 5)
-        token_end = tl.load(rec + 6)
-        slot = tl.load(rec + 7)
+        rec = works_ptr + w * WORK_FIELDS
+        seq = tl.load(rec + WORK_SEQ)
+        kv_head = tl.load(rec + WORK_KV_HEAD)
+        token_start = tl.load(rec + WORK_TOKEN_START)
+        token_end = tl.load(rec + WORK_TOKEN_END)
+        slot = tl.load(rec + WORK_PARTIAL_SLOT)
         seq_len = tl.load(seq_lens_ptr + seq)
+        planned_len = tl.load(planned_lens_ptr + seq)
+        # -- lengths are not trusted: a work reads no KV and writes NaN rows when its length
+        # changed since planning, exceeds the block table, or meets an empty cache; an empty
+        # token range with a nonzero length is an invalid length (the scheduler recorded it),
+        # with a zero one a padding slot (zero rows) --
+        fault = tl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
+        fault |= tl.where(seq_len > capacity, FAULT_CAPACITY, 0)
+        fault |= tl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+        invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
+        token_end = tl.where(invalid, token_start, token_end)
 
         # -- load the query rows of this kv head, in CHUNKS head_dim chunks --
         q_tok = (seq * QUERY_LEN + row_tok).to(tl.int64)
@@ -713,6 +747,10 @@ def _decode_kernel(
         o2 = o0
         o3 = o0
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+        if PAGE_SIZE >= BLOCK_N:
+            page_fault = token_end < 0  # one page per tile: a scalar flag (False here)
+        else:
+            page_fault = offs_n < 0  # gathered tiles: a flag per token (all False here)
         # Tiles below full_end hold only keys every row attends (all < token_end and before
         # the causal zone of the new tokens): no masks, no selects. The rest are masked.
         full_end = lo
@@ -736,7 +774,8 @@ def _decode_kernel(
             for start in tl.range(
                 begin, end, BLOCK_N, num_stages=NUM_STAGES if phase == 0 else TAIL_STAGES
             ):
-                m_i, l_i, v_norm, o0, o1, o2, o3 = _attend_tile(
+                page_fault, m_i, l_i, v_norm, o0, o1, o2, o3 = _attend_tile(
+                    page_fault,
                     m_i,
                     l_i,
                     v_norm,
@@ -781,6 +820,7 @@ def _decode_kernel(
                     bt_row,
                     stride_bt_col,
                     kv_head,
+                    num_pages,
                     qk_scale,
                     offs_n,
                     HEAD_DIM,
@@ -801,12 +841,22 @@ def _decode_kernel(
         if TRACE:
             if trace_on:
                 tl.store(trace_work + 2, globaltimer())
+        if PAGE_SIZE < BLOCK_N:
+            page_fault = tl.max(page_fault.to(tl.int32), axis=0) != 0
+        fault |= tl.where(page_fault, FAULT_PAGE_ID, 0)
+        if fault != 0:
+            tl.atomic_or(faults_ptr + seq, fault)
+        # A row that saw no key (a padding slot; causal or window masking in a partial) gets
+        # zeros and LSE -inf; a faulty work's rows get NaN.
+        nan_rows = invalid | page_fault
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         if SCALE_MODE == 2:
-            o_scale = v_norm / l_safe
+            o_scale = tl.where(l_i > 0.0, v_norm / l_safe, 0.0)
         else:
-            o_scale = v_scale / l_safe
+            o_scale = tl.where(l_i > 0.0, v_scale / l_safe, 0.0)
+        o_scale = tl.where(nan_rows, float("nan"), o_scale)
+        lse2 = tl.where(nan_rows, float("nan"), lse2)
         if slot < 0:
             o_row = out_ptr + q_tok * stride_o_tok + q_head * stride_o_head
             _store_rows(o_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)

@@ -15,11 +15,18 @@ import triton
 import triton.language as tl
 
 from .common import LN2, grid_dependency
+from .records import (
+    REDUCE_FIELDS,
+    REDUCE_FIRST_SLOT,
+    REDUCE_KV_HEAD,
+    REDUCE_NUM_SLOTS,
+    REDUCE_SEQ,
+)
 
 
 @triton.jit
 def _reduce_kernel(
-    metadata_ptr,  # plan.metadata; from reduces_offset on: reduces [max_reduces, 4] int32
+    metadata_ptr,  # plan.metadata; from reduces_offset on: reduces [max_reduces, REDUCE_FIELDS]
     reduces_offset,  # (seq, kv_head, first_slot, num_slots)
     partial_out_ptr,  # plan.partials: [max_partials, ROWS, HEAD_DIM] float32, then ...
     lse_offset,  # ... the partial LSEs [max_partials, ROWS] (log2 units) from this element on
@@ -43,13 +50,15 @@ def _reduce_kernel(
     partial_lse_ptr = partial_out_ptr + lse_offset
     # The whole record in one load (the fields are picked out in registers): one round
     # trip before the partials' addresses are known, not two.
-    fields = tl.arange(0, 4)
-    rec = tl.load(metadata_ptr + reduces_offset + tl.program_id(0).to(tl.int64) * 4 + fields)
-    seq = tl.sum(tl.where(fields == 0, rec, 0), axis=0)
+    fields = tl.arange(0, REDUCE_FIELDS)
+    rec = tl.load(
+        metadata_ptr + reduces_offset + tl.program_id(0).to(tl.int64) * REDUCE_FIELDS + fields
+    )
+    seq = tl.sum(tl.where(fields == REDUCE_SEQ, rec, 0), axis=0)
     if seq >= 0:
-        kv_head = tl.sum(tl.where(fields == 1, rec, 0), axis=0)
-        first_slot = tl.sum(tl.where(fields == 2, rec, 0), axis=0)
-        num_slots = tl.sum(tl.where(fields == 3, rec, 0), axis=0)
+        kv_head = tl.sum(tl.where(fields == REDUCE_KV_HEAD, rec, 0), axis=0)
+        first_slot = tl.sum(tl.where(fields == REDUCE_FIRST_SLOT, rec, 0), axis=0)
+        num_slots = tl.sum(tl.where(fields == REDUCE_NUM_SLOTS, rec, 0), axis=0)
         offs_j = tl.arange(0, SLOT_BLOCK)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         d0 = tl.program_id(2) * BLOCK_D
@@ -83,14 +92,17 @@ def _reduce_kernel(
             acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], axis=0)
             m_i = m_new
 
+        # A faulty work's partial has NaN LSE and rows: l_i is NaN then, and so is the result
+        # (max() may drop a NaN, so it is carried by l_i, not m_i).
+        ok_rows = l_i == l_i
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         tok = (seq * QUERY_LEN + offs_r // GROUP).to(tl.int64)
         head = kv_head * GROUP + offs_r % GROUP
         o_ptrs = (
             out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         )
-        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        o = tl.where(ok_rows[:, None], acc / l_safe[:, None], float("nan"))
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         if WRITE_LSE and d0 == 0:
-            tl.store(
-                lse_ptr + tok * stride_lse_tok + head, (m_i + tl.log2(l_safe)) * LN2, mask=row_ok
-            )
+            lse_row = tl.where(ok_rows, (m_i + tl.log2(l_safe)) * LN2, float("nan"))
+            tl.store(lse_ptr + tok * stride_lse_tok + head, lse_row, mask=row_ok)

@@ -16,20 +16,40 @@ Model (per KV head; every head has the same structure, shifted):
   works by (program, sequence) equals ordering them by sequence: a sequence's works are
   consecutive, and so are its partial slots.
 
+Lengths are never trusted: a sequence whose length is 0 (a padding slot) or invalid
+(negative, between 0 and ``query_len``, or above ``max_len``) counts as one partition of no
+tokens, so it gets one work of an empty token range, whose program writes its rows (zeros for
+a padding slot, NaN for an invalid one); the invalid ones get their fault codes here.
+
 Partition size: ``2**PARTITION_SHIFT``, or with ``PARTITION_SHIFT == 0`` picked here from
 the lengths each step (``AUTO_*`` below), and written after the records.
 
-Buffer layout (int32, one buffer; ``plan.py`` owns it and documents the fields):
-  work_indptr  [num_programs + 1]
-  works        [max_works, 8]   (program, seq, kv_head, q_head_start, q_head_end, token_start, token_end, partial_slot)
-  reduces      [max_reduces, 4]  (seq, kv_head, first_slot, num_slots); seq -1 = unused
-  partition    [1]               the step's partition size
+Buffer layout: ``records.py`` (fields) and ``plan.py`` (offsets).
 """
 
 import triton
 import triton.language as tl
 
 from .common import grid_dependency
+from .records import (
+    FAULT_LENGTH_LIMIT,
+    FAULT_NEGATIVE_LENGTH,
+    FAULT_SHORT_LENGTH,
+    REDUCE_FIELDS,
+    REDUCE_FIRST_SLOT,
+    REDUCE_KV_HEAD,
+    REDUCE_NUM_SLOTS,
+    REDUCE_SEQ,
+    WORK_FIELDS,
+    WORK_KV_HEAD,
+    WORK_PARTIAL_SLOT,
+    WORK_PROGRAM,
+    WORK_Q_HEAD_END,
+    WORK_Q_HEAD_START,
+    WORK_SEQ,
+    WORK_TOKEN_END,
+    WORK_TOKEN_START,
+)
 
 # Partition sizes the scheduler picks between when the planner leaves it the choice
 # (PARTITION_SHIFT == 0): the small one when 256-token partitions would leave at least half
@@ -46,6 +66,37 @@ AUTO_LARGE_SHIFT = tl.constexpr(8)
 def _cdiv_shift(x, shift):
     # cdiv by a power of two given by its log2 (a runtime value: no integer division).
     return (x + ((1 << shift) - 1)) >> shift
+
+
+@triton.jit
+def _valid_lens(raw, query_len, max_len):
+    """The lengths the work list is built from: invalid ones (negative, between 0 and
+    ``query_len``, above ``max_len``) count as 0 tokens."""
+    valid = (raw >= query_len) & (raw <= max_len)
+    return tl.where(valid, raw, 0)
+
+
+@triton.jit
+def _at_least_one(parts, in_batch):
+    # Every sequence of the batch has a partition (a padding slot's or an invalid sequence's
+    # is empty); the lanes past the batch have none.
+    return tl.where(in_batch, tl.maximum(parts, 1), 0)
+
+
+@triton.jit
+def _parts(lens, in_batch, shift):
+    return _at_least_one(_cdiv_shift(lens, shift), in_batch)
+
+
+@triton.jit
+def _record_lengths(planned_ptr, faults_ptr, seq, raw, in_batch, query_len, max_len):
+    """Stores the lengths the plan is made from and their fault codes (clearing the codes
+    an earlier step left)."""
+    fault = tl.where(raw < 0, FAULT_NEGATIVE_LENGTH, 0)
+    fault |= tl.where((raw > 0) & (raw < query_len), FAULT_SHORT_LENGTH, 0)
+    fault |= tl.where(raw > max_len, FAULT_LENGTH_LIMIT, 0)
+    tl.store(planned_ptr + seq, raw, mask=in_batch)
+    tl.store(faults_ptr + seq, fault, mask=in_batch)
 
 
 @triton.jit
@@ -113,11 +164,11 @@ def _split(x):
 
 
 @triton.jit
-def _layout(lens, carry, base, rem, shift, exact):
+def _layout(lens, in_batch, carry, base, rem, shift, exact):
     """Partitions of a chunk of sequences, where they sit, and per sequence the program that
     owns its first partition, that partition's place in the program's range, and the range's
     size (see _program_of)."""
-    parts = _cdiv_shift(lens, shift)
+    parts = _parts(lens, in_batch, shift)
     cum_incl = carry + tl.cumsum(parts, axis=0)
     cum_excl = cum_incl - parts
     first, offset, size = _program_of(cum_excl, base, rem, exact)
@@ -209,34 +260,37 @@ def _write_works(
     slot = tl.where(cut, slot_base + slot_idx, -1)
     tok_start = (tl.maximum(cum_excl, p_start) - cum_excl) << shift
     tok_end = tl.minimum((tl.minimum(cum_incl, p_end) - cum_excl) << shift, lens)
-    rec = works_ptr + (work_base + idx).to(tl.int64) * 8
+    rec = works_ptr + (work_base + idx).to(tl.int64) * WORK_FIELDS
     zero = tl.zeros_like(seq)
-    tl.store(rec + 0, zero + pid, mask=mine)
-    tl.store(rec + 1, seq, mask=mine)
-    tl.store(rec + 2, zero + kv_head, mask=mine)
-    tl.store(rec + 3, zero + kv_head * GROUP, mask=mine)
-    tl.store(rec + 4, zero + (kv_head + 1) * GROUP, mask=mine)
-    tl.store(rec + 5, tok_start, mask=mine)
-    tl.store(rec + 6, tok_end, mask=mine)
-    tl.store(rec + 7, slot, mask=mine)
+    tl.store(rec + WORK_PROGRAM, zero + pid, mask=mine)
+    tl.store(rec + WORK_SEQ, seq, mask=mine)
+    tl.store(rec + WORK_KV_HEAD, zero + kv_head, mask=mine)
+    tl.store(rec + WORK_Q_HEAD_START, zero + kv_head * GROUP, mask=mine)
+    tl.store(rec + WORK_Q_HEAD_END, zero + (kv_head + 1) * GROUP, mask=mine)
+    tl.store(rec + WORK_TOKEN_START, tok_start, mask=mine)
+    tl.store(rec + WORK_TOKEN_END, tok_end, mask=mine)
+    tl.store(rec + WORK_PARTIAL_SLOT, slot, mask=mine)
     # The program holding a cut sequence's first piece writes its reduce record.
     starts_cut = cut & (first == local)
-    red = reduces_ptr + reduce_index.to(tl.int64) * 4 + zero
-    tl.store(red + 0, seq, mask=starts_cut)
-    tl.store(red + 1, zero + kv_head, mask=starts_cut)
-    tl.store(red + 2, slot, mask=starts_cut)
-    tl.store(red + 3, last - first + 1, mask=starts_cut)
+    red = reduces_ptr + reduce_index.to(tl.int64) * REDUCE_FIELDS + zero
+    tl.store(red + REDUCE_SEQ, seq, mask=starts_cut)
+    tl.store(red + REDUCE_KV_HEAD, zero + kv_head, mask=starts_cut)
+    tl.store(red + REDUCE_FIRST_SLOT, slot, mask=starts_cut)
+    tl.store(red + REDUCE_NUM_SLOTS, last - first + 1, mask=starts_cut)
     mine_total, cut_total = _split(tl.sum(_pair(mine, cut), axis=0))
     return mine_carry + mine_total, cut_carry + cut_total
 
 
 @triton.jit
 def _schedule_kernel(
-    seq_lens_ptr,  # [batch] int32
-    metadata_ptr,  # int32: work_indptr [num_programs + 1], works [max_works, 8], reduces
+    seq_lens_ptr,  # [batch] int32, any values
+    metadata_ptr,  # int32 records (records.py): work_indptr, works, reduces, partition size,
+    # planned_lens, faults
     batch,
     max_works,
     max_reduces,
+    query_len,
+    max_len,  # longer sequences are refused (records.max_seq_len_supported)
     PROGRAMS_PER_HEAD: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -251,7 +305,9 @@ def _schedule_kernel(
     grid_dependency(PDL, PDL)
     work_indptr_ptr = metadata_ptr
     works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
-    reduces_ptr = works_ptr + max_works * 8
+    reduces_ptr = works_ptr + max_works * WORK_FIELDS
+    planned_ptr = reduces_ptr + max_reduces * REDUCE_FIELDS + 1
+    faults_ptr = planned_ptr + batch
     first_pid = tl.program_id(0) * LOCALS
     kv_head = first_pid // PROGRAMS_PER_HEAD
     local0 = first_pid % PROGRAMS_PER_HEAD
@@ -261,21 +317,25 @@ def _schedule_kernel(
     tl.static_assert(BLOCK_B < 65536, "per-chunk counts are packed in 16 bits (_pair)")
 
     if SINGLE_BLOCK:
-        lens = tl.load(seq_lens_ptr + offs, mask=offs < batch, other=0)
+        in_batch = offs < batch
+        raw = tl.load(seq_lens_ptr + offs, mask=in_batch, other=0)
+        if tl.program_id(0) == 0:
+            _record_lengths(planned_ptr, faults_ptr, offs, raw, in_batch, query_len, max_len)
+        lens = _valid_lens(raw, query_len, max_len)
         if PARTITION_SHIFT == 0:
             shift = _auto_shift(
-                tl.sum(tl.cdiv(lens, AUTO_LARGE), axis=0),
+                tl.sum(_at_least_one(tl.cdiv(lens, AUTO_LARGE), in_batch), axis=0),
                 tl.max(lens, axis=0),
                 PROGRAMS_PER_HEAD,
             )
         else:
             shift = zero + PARTITION_SHIFT
-        total = tl.sum(_cdiv_shift(lens, shift), axis=0)
+        total = tl.sum(_parts(lens, in_batch, shift), axis=0)
         base = total // PROGRAMS_PER_HEAD
         rem = total % PROGRAMS_PER_HEAD
         exact = total < EXACT_ESTIMATE_LIMIT
         parts, cum_incl, cum_excl, first, offset, size = _layout(
-            lens, zero, base, rem, shift, exact
+            lens, in_batch, zero, base, rem, shift, exact
         )
         nc, ad, begins_before, parts_before, en, ca = _counts(
             parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS
@@ -288,17 +348,24 @@ def _schedule_kernel(
         # -- pass 1: total partitions of one head --
         total = zero
         total_large = zero
-        max_len = zero
+        longest = zero
+        grid_size = NUM_PROGRAMS // LOCALS
         for b0 in range(0, batch, BLOCK_B):
-            lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
+            in_batch = b0 + offs < batch
+            raw = tl.load(seq_lens_ptr + b0 + offs, mask=in_batch, other=0)
+            if tl.program_id(0) == (b0 // BLOCK_B) % grid_size:
+                _record_lengths(
+                    planned_ptr, faults_ptr, b0 + offs, raw, in_batch, query_len, max_len
+                )
+            lens = _valid_lens(raw, query_len, max_len)
             if PARTITION_SHIFT == 0:
-                total += tl.sum(tl.cdiv(lens, AUTO_SMALL), axis=0)
-                total_large += tl.sum(tl.cdiv(lens, AUTO_LARGE), axis=0)
-                max_len = tl.maximum(max_len, tl.max(lens, axis=0))
+                total += tl.sum(_at_least_one(tl.cdiv(lens, AUTO_SMALL), in_batch), axis=0)
+                total_large += tl.sum(_at_least_one(tl.cdiv(lens, AUTO_LARGE), in_batch), axis=0)
+                longest = tl.maximum(longest, tl.max(lens, axis=0))
             else:
-                total += tl.sum(_cdiv_shift(lens, PARTITION_SHIFT), axis=0)
+                total += tl.sum(_parts(lens, in_batch, PARTITION_SHIFT), axis=0)
         if PARTITION_SHIFT == 0:
-            shift = _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD)
+            shift = _auto_shift(total_large, longest, PROGRAMS_PER_HEAD)
             total = tl.where(shift == AUTO_LARGE_SHIFT, total_large, total)
         else:
             shift = zero + PARTITION_SHIFT
@@ -318,9 +385,11 @@ def _schedule_kernel(
         total_at_start = zero
         carry = zero
         for b0 in range(0, batch, BLOCK_B):
-            lens = tl.load(seq_lens_ptr + b0 + offs, mask=b0 + offs < batch, other=0)
+            in_batch = b0 + offs < batch
+            raw = tl.load(seq_lens_ptr + b0 + offs, mask=in_batch, other=0)
+            lens = _valid_lens(raw, query_len, max_len)
             parts, cum_incl, cum_excl, _, offset, size = _layout(
-                lens, carry, base, rem, shift, exact
+                lens, in_batch, carry, base, rem, shift, exact
             )
             carry += tl.sum(parts, axis=0)
             nc, ad, bb, pb, en, ca = _counts(
@@ -356,7 +425,7 @@ def _schedule_kernel(
     tl.store(work_indptr_ptr + first_pid + lanes, work_bases)
     if first_pid + LOCALS == NUM_PROGRAMS:
         tl.store(work_indptr_ptr + NUM_PROGRAMS, (kv_head + 1) * total_works)
-        tl.store(reduces_ptr + max_reduces * 4, 1 << shift)  # the step's partition size
+        tl.store(planned_ptr - 1, 1 << shift)  # the step's partition size
     if WINDOW == 0:
         tl.static_assert(SINGLE_BLOCK, "WINDOW == 0 writes from the single block's registers")
         last, _, _ = _program_of(cum_incl - 1, base, rem, exact)
@@ -407,9 +476,11 @@ def _schedule_kernel(
             carry = _pick(parts_before, lanes, l)
             for w0 in range(_pick(first_seq, lanes, l), end_seq, WINDOW):
                 seq = w0 + offs_w
-                lens_w = tl.load(seq_lens_ptr + seq, mask=seq < end_seq, other=0)
+                in_window = seq < end_seq
+                raw_w = tl.load(seq_lens_ptr + seq, mask=in_window, other=0)
+                lens_w = _valid_lens(raw_w, query_len, max_len)
                 parts_w, cum_incl_w, cum_excl_w, first_w, _, _ = _layout(
-                    lens_w, carry, base, rem, shift, exact
+                    lens_w, in_window, carry, base, rem, shift, exact
                 )
                 last_w, _, _ = _program_of(cum_incl_w - 1, base, rem, exact)
                 carry += tl.sum(parts_w, axis=0)
@@ -443,9 +514,9 @@ def _schedule_kernel(
     for r0 in range(tl.program_id(0) * BLOCK_B, max_reduces, grid * BLOCK_B):
         r = r0 + offs
         unused = (r >= used) & (r < max_reduces)
-        for f in tl.static_range(4):
+        for f in tl.static_range(REDUCE_FIELDS):
             tl.store(
-                reduces_ptr + r.to(tl.int64) * 4 + f,
+                reduces_ptr + r.to(tl.int64) * REDUCE_FIELDS + f,
                 tl.full([BLOCK_B], -1, tl.int32),
                 mask=unused,
             )

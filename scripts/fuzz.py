@@ -1,0 +1,68 @@
+"""Fuzzes the decode step on the GPU: random valid steps (padding slots among them) and steps
+with one corrupted sequence (``pagedattn.testing``), each checked against the float64 reference
+and the robustness contract. Geometries come from ``testing.COMPILED_GEOMETRIES`` (a few kernel
+specialisations each); lengths, batch sizes, page ids and windows are random.
+
+    python scripts/fuzz.py --valid 10000 --corrupt 1000 --seconds 300
+    compute-sanitizer --tool memcheck python scripts/fuzz.py --valid 20 --corrupt 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import sys
+import time
+import traceback
+
+import torch
+
+from pagedattn import testing
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--valid", type=int, default=1000, help="valid cases (default 1000)")
+    parser.add_argument("--corrupt", type=int, default=200, help="corrupted cases (default 200)")
+    parser.add_argument("--seconds", type=float, default=600, help="stop after this long")
+    parser.add_argument("--max-batch", type=int, default=24)
+    parser.add_argument("--max-len", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rng = random.Random(args.seed)
+    kinds = ["valid"] * args.valid + ["corrupt"] * args.corrupt
+    rng.shuffle(kinds)
+    done = collections.Counter()
+    failures = []
+    start = time.perf_counter()
+    for kind in kinds:
+        if time.perf_counter() - start > args.seconds:
+            break
+        geometry = rng.choice(testing.COMPILED_GEOMETRIES)
+        case = testing.random_case(
+            rng, device, geometry, max_batch=args.max_batch, max_len=args.max_len
+        )
+        if kind == "corrupt":
+            case = testing.corrupt(case, rng)
+        try:
+            testing.check_case(case)
+        except Exception:  # report every kind of failure, keep fuzzing
+            failures.append(traceback.format_exc(limit=3))
+        done[case.corruption or "valid"] += 1
+    elapsed = time.perf_counter() - start
+    total = sum(done.values())
+    corrupted = total - done["valid"]
+    print(
+        f"fuzz: {total} cases in {elapsed:.0f} s ({done['valid']} valid, {corrupted} corrupted: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(done.items()) if k != "valid")
+        + f"), {len(failures)} failed"
+    )
+    for text in failures[:5]:
+        print(text)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

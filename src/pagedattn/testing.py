@@ -1,0 +1,353 @@
+"""Random decode steps for fuzzing: valid ones, and ones with a corrupted sequence.
+
+A :class:`Case` is a decode step with a geometry, lengths (some of them padding slots, whose
+block-table rows point at NaN pages), a block table and the lengths its plan is made from.
+:func:`corrupt` spoils one thing the kernels must not trust (a length, a page id, the table's
+width, the plan's lengths); :func:`expected_faults` says which sequences must then come out
+NaN, with which fault codes; :func:`check_case` runs the step and checks all of it against the
+float64 reference. The test suite runs a few hundred cases through Triton's interpreter;
+``scripts/fuzz.py`` runs many more on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import torch
+
+from . import api
+from ._kernels import records
+from .cache import FP8_DTYPE, build_paged_cache
+from .reference import paged_decode_torch, rel_error
+
+CORRUPTIONS = (
+    "negative_length",
+    "short_length",
+    "beyond_capacity",
+    "page_id",
+    "narrow_table",
+    "stale_plan",
+)
+# Relative error bound of the rows that must stay exact, by query dtype (output rounding
+# plus compute; the tight per-dtype bounds live in tests/test_decode.py).
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
+POISON = 1.0e4  # written into ``out`` before a run: rows nobody writes keep it
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    query_len: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int
+    kv_dtype: torch.dtype
+    kv_scale: str | None
+    kv_layout: str
+    q_dtype: torch.dtype
+    window: bool
+    num_programs: int | None
+    partition_size: int | None
+
+
+@dataclasses.dataclass
+class Case:
+    geometry: Geometry
+    lens: list[int]  # what paged_decode is given
+    plan_lens: list[int]  # what the plan is made from
+    block_table: torch.Tensor
+    num_pages: int
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    sliding_window: int | None
+    corruption: str | None = None
+    # For a corrupted page id, the table before (the plan is the same, so the other rows must
+    # come out bit for bit as with it).
+    clean_block_table: torch.Tensor | None = None
+
+    def describe(self) -> str:
+        g = self.geometry
+        return (
+            f"{self.corruption or 'valid'}: lens={self.lens} plan_lens={self.plan_lens} "
+            f"q_len={g.query_len} kv_heads={g.num_kv_heads} group={g.group} d={g.head_dim} "
+            f"page={g.page_size} kv={g.kv_dtype} {g.kv_scale} {g.kv_layout} q={g.q_dtype} "
+            f"window={self.sliding_window} programs={g.num_programs} "
+            f"partition={g.partition_size} table={tuple(self.block_table.shape)} "
+            f"pages={self.num_pages}"
+        )
+
+
+def _menu(*rows) -> tuple[Geometry, ...]:
+    return tuple(Geometry(*row, num_programs=None, partition_size=None) for row in rows)
+
+
+BF16, FP16 = torch.bfloat16, torch.float16
+# A fixed set of geometries for compiled runs (each is a few kernel specialisations to compile):
+# the seed workload, vLLM's common shapes, every head_dim, page sizes 1..4096, both layouts,
+# windows, query_len 1..8 up to the largest tile (128 rows).
+# (query_len, kv_heads, group, head_dim, page, kv dtype, scale, layout, q dtype, window)
+COMPILED_GEOMETRIES = _menu(
+    (1, 1, 16, 128, 1024, FP8_DTYPE, "per_tensor", "NHD", BF16, False),
+    (4, 1, 16, 128, 1024, FP8_DTYPE, "per_token", "NHD", BF16, False),
+    (1, 8, 4, 128, 16, BF16, None, "NHD", BF16, False),
+    (1, 8, 8, 128, 16, FP8_DTYPE, "per_tensor", "NHD", BF16, False),
+    (2, 2, 8, 128, 16, FP8_DTYPE, "per_token", "HND", BF16, True),
+    (1, 4, 2, 64, 1, FP16, None, "NHD", FP16, False),
+    (3, 1, 4, 256, 64, FP8_DTYPE, "per_tensor", "NHD", FP16, False),
+    (1, 2, 1, 128, 128, BF16, None, "HND", BF16, True),
+    (8, 1, 16, 128, 16, FP8_DTYPE, "per_tensor", "NHD", BF16, False),
+    (1, 1, 1, 64, 4096, BF16, None, "NHD", BF16, False),
+)
+
+
+def random_geometry(rng: random.Random) -> Geometry:
+    """Any geometry the portable kernels support, small enough for the interpreter."""
+    kv_dtype, kv_scale = rng.choice(
+        [
+            (torch.bfloat16, None),
+            (torch.float16, None),
+            (FP8_DTYPE, "per_tensor"),
+            (FP8_DTYPE, "per_token"),
+        ]
+    )
+    q_dtype = kv_dtype if kv_dtype != FP8_DTYPE else rng.choice([torch.bfloat16, torch.float16])
+    return Geometry(
+        query_len=rng.choice([1, 1, 2, 3]),
+        num_kv_heads=rng.choice([1, 2]),
+        group=rng.choice([1, 2, 4]),
+        head_dim=64,
+        page_size=rng.choice([1, 4, 16, 32]),
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
+        kv_layout=rng.choice(["NHD", "HND"]),
+        q_dtype=q_dtype,
+        window=rng.random() < 0.25,
+        num_programs=None,  # filled in by random_case (a multiple of num_kv_heads)
+        partition_size=rng.choice([16, 32, None]),
+    )
+
+
+def random_case(
+    rng: random.Random,
+    device: torch.device,
+    geometry: Geometry | None = None,
+    *,
+    max_batch: int = 4,
+    max_len: int = 70,
+) -> Case:
+    """A valid step: ``1..max_batch`` sequences of ``0..max_len`` tokens (0: a padding slot,
+    about one in six), pages shuffled, unowned pages NaN."""
+    g = geometry or random_geometry(rng)
+    if g.num_programs is None and geometry is None:
+        g = dataclasses.replace(g, num_programs=g.num_kv_heads * rng.choice([1, 2, 3]))
+    batch = rng.randint(1, max_batch)
+    lens = [
+        0 if rng.random() < 1 / 6 else rng.randint(g.query_len, max(g.query_len, max_len))
+        for _ in range(batch)
+    ]
+    gen = torch.Generator(device=device).manual_seed(rng.getrandbits(31))
+    needed = max((math.ceil(n / g.page_size) for n in lens), default=0)
+    cache = build_paged_cache(
+        lens,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        page_size=g.page_size,
+        kv_dtype=g.kv_dtype,
+        kv_layout=g.kv_layout,
+        kv_scale=g.kv_scale,
+        device=device,
+        generator=gen,
+        extra_pages=1,  # NaN: the padding slots' rows and unused columns point at it
+        max_pages_per_seq=max(1, needed + rng.randint(0, 2)),
+    )
+    q = torch.randn(
+        batch * g.query_len, g.num_kv_heads * g.group, g.head_dim, generator=gen, device=device
+    ).to(g.q_dtype)
+    return Case(
+        geometry=g,
+        lens=lens,
+        plan_lens=list(lens),
+        block_table=cache.block_table,
+        num_pages=cache.k_cache.shape[0],
+        q=q,
+        k_cache=cache.k_cache,
+        v_cache=cache.v_cache,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        sliding_window=rng.randint(1, 2 * max_len) if g.window else None,
+    )
+
+
+def corrupt(case: Case, rng: random.Random, kind: str | None = None) -> Case:
+    """Spoils one sequence of a valid case (or the table's width) in one of ``CORRUPTIONS``."""
+    kind = kind or rng.choice(CORRUPTIONS)
+    if kind == "short_length" and case.geometry.query_len == 1:
+        kind = "negative_length"  # no length lies between 0 and a query_len of 1
+    g, lens = case.geometry, list(case.lens)
+    capacity = case.block_table.shape[1] * g.page_size
+    seq = rng.randrange(len(lens))
+    table = case.block_table
+    clean_table = None
+    if kind == "negative_length":
+        lens[seq] = rng.choice([-1, -(2**31), -rng.randint(1, 10**6)])
+    elif kind == "short_length":
+        lens[seq] = rng.randint(1, g.query_len - 1)
+    elif kind == "beyond_capacity":
+        lens[seq] = rng.choice([capacity + 1, capacity + rng.randint(1, 10**6), 2**31 - 1])
+    elif kind == "page_id":
+        real = [b for b, n in enumerate(lens) if n > 0]
+        if not real:
+            return corrupt(case, rng, "negative_length")
+        seq = rng.choice(real)
+        # The last page is read whatever the window; without one, any page the sequence uses.
+        last = (lens[seq] - 1) // g.page_size
+        column = last if case.sliding_window is not None else rng.randint(0, last)
+        table = table.clone()
+        table[seq, column] = rng.choice(
+            [-1, case.num_pages, case.num_pages + rng.randint(1, 10**6), -(2**31), 2**31 - 1]
+        )
+        clean_table = case.block_table
+    elif kind == "narrow_table":
+        longest = max(math.ceil(n / g.page_size) for n in lens)
+        if longest == 0:
+            return corrupt(case, rng, "negative_length")
+        table = table[:, : rng.randint(0, longest - 1)]  # a view: its row stride stays wide
+    elif kind == "stale_plan":
+        n = lens[seq]
+        others = [0, n - 3, n - 1, n + 1, n + 5, g.query_len]
+        plan_lens = list(lens)
+        plan_lens[seq] = rng.choice([m for m in others if m != n and (m == 0 or m >= g.query_len)])
+        return dataclasses.replace(case, plan_lens=plan_lens, corruption=kind)
+    else:
+        raise ValueError(f"kind: expected one of {CORRUPTIONS}, got {kind!r}")
+    return dataclasses.replace(
+        case,
+        lens=lens,
+        plan_lens=lens,
+        block_table=table,
+        corruption=kind,
+        clean_block_table=clean_table,
+    )
+
+
+def expected_faults(case: Case) -> dict[int, int]:
+    """The fault codes the kernels must record, per faulty sequence (the contract's rules,
+    applied on the host)."""
+    g = case.geometry
+    capacity = case.block_table.shape[1] * g.page_size
+    limit = records.max_seq_len_supported(len(case.lens))
+    table = case.block_table.cpu()
+    faults = {}
+    for seq, (n, planned) in enumerate(zip(case.lens, case.plan_lens)):
+        code = 0
+        if planned < 0:
+            code |= records.FAULT_NEGATIVE_LENGTH.value
+        if 0 < planned < g.query_len:
+            code |= records.FAULT_SHORT_LENGTH.value
+        if planned > limit:
+            code |= records.FAULT_LENGTH_LIMIT.value
+        if n != planned:
+            code |= records.FAULT_STALE_PLAN.value
+        if n > capacity:
+            code |= records.FAULT_CAPACITY.value
+        if code == 0 and n > 0:
+            # Pages are read (and checked) only when nothing above stopped the work.
+            ids = table[seq, : math.ceil(n / g.page_size)]
+            if bool(((ids < 0) | (ids >= case.num_pages)).any()):
+                code |= records.FAULT_PAGE_ID.value
+        if code:
+            faults[seq] = code
+    return faults
+
+
+def run_case(case: Case, block_table: torch.Tensor | None = None):
+    """Plans (from ``plan_lens``) and decodes into a poisoned ``out``; returns
+    ``(out, lse, faults)`` with the faults as ``{seq: code}``."""
+    g = case.geometry
+    device = case.q.device
+    plan = api.plan_decode(
+        torch.tensor(case.plan_lens, dtype=torch.int32, device=device),
+        num_q_heads=g.num_kv_heads * g.group,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        page_size=g.page_size,
+        query_len=g.query_len,
+        kv_dtype=g.kv_dtype,
+        kv_scale=g.kv_scale,
+        num_programs=g.num_programs,
+        partition_size=g.partition_size,
+    )
+    out = torch.full_like(case.q, POISON)
+    out, lse = api.paged_decode(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_table if block_table is None else block_table,
+        torch.tensor(case.lens, dtype=torch.int32, device=device),
+        plan=plan,
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+        kv_layout=g.kv_layout,
+        sliding_window=case.sliding_window,
+        out=out,
+        return_lse=True,
+    )
+    faults = {}
+    for fault in plan.faults():
+        faults[fault.seq] = faults.get(fault.seq, 0) | fault.code
+    return out, lse, faults
+
+
+def check_case(case: Case) -> None:
+    """Runs ``case`` and asserts the contract: the expected faults and no others; NaN rows
+    and LSE for the faulty sequences; zero rows and LSE -inf for padding slots; the other
+    rows within the dtype's bound of the float64 reference (and, for a corrupted page id,
+    bit for bit those of the clean step)."""
+    g = case.geometry
+    out, lse, faults = run_case(case)
+    want = expected_faults(case)
+    where = case.describe()
+    assert faults == want, f"faults {faults}, expected {want} ({where})"
+    rows_of = [
+        torch.arange(b * g.query_len, (b + 1) * g.query_len, device=out.device)
+        for b in range(len(case.lens))
+    ]
+    good = [b for b in range(len(case.lens)) if b not in want and case.lens[b] > 0]
+    padding = [b for b in range(len(case.lens)) if b not in want and case.lens[b] == 0]
+    for b in want:
+        rows = rows_of[b]
+        assert bool(out[rows].isnan().all()), f"sequence {b}: rows not all NaN ({where})"
+        assert bool(lse[rows].isnan().all()), f"sequence {b}: LSE not all NaN ({where})"
+    for b in padding:
+        rows = rows_of[b]
+        assert bool((out[rows] == 0).all()), f"padding slot {b}: rows not zero ({where})"
+        assert bool((lse[rows] == float("-inf")).all()), f"padding slot {b}: LSE ({where})"
+    if not good:
+        return
+    rows = torch.cat([rows_of[b] for b in good])
+    # The reference over the same step with every faulty sequence turned into a padding slot.
+    clean_lens = [0 if b in want else n for b, n in enumerate(case.lens)]
+    ref, ref_lse = paged_decode_torch(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_table,
+        torch.tensor(clean_lens, dtype=torch.int32, device=out.device),
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+        kv_layout=g.kv_layout,
+        sliding_window=case.sliding_window,
+        return_lse=True,
+    )
+    err = rel_error(out[rows], ref[rows])
+    assert err < TOLERANCE[g.q_dtype], f"rel error {err:.2e} of the valid rows ({where})"
+    lse_err = (lse[rows].double() - ref_lse[rows]).abs().max().item()
+    assert lse_err < 1e-2, f"LSE off by {lse_err:.2e} ({where})"
+    if case.corruption == "page_id":
+        clean_out, _, _ = run_case(case, block_table=case.clean_block_table)
+        assert torch.equal(out[rows], clean_out[rows]), f"valid rows changed ({where})"
