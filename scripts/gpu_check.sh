@@ -27,7 +27,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 if [[ $MODE == tests || $MODE == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests >"$LOGS/pytest.log" 2>&1
+  # Compilation dominates: several workers share the GPU (pytest-xdist, where installed).
+  workers=()
+  python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-6}")
+  python3 -m pytest -q -p no:cacheprovider "${workers[@]}" --durations=15 tests \
+    >"$LOGS/pytest.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -20
   summary+=("pytest: $(tail -1 "$LOGS/pytest.log")")
   compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/sanitize_decode.py \
