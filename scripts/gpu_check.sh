@@ -41,7 +41,8 @@ if [[ $MODE == tests || $MODE == all ]]; then
 fi
 
 if [[ $MODE == fuzz || $MODE == all ]]; then
-  python3 scripts/fuzz.py --valid 10000 --corrupt 1000 --seconds "${FUZZ_SECONDS:-240}" \
+  python3 scripts/fuzz.py --valid 10000 --corrupt 1000 --max-batch 16 --max-len 2000 \
+    --seconds "${FUZZ_SECONDS:-300}" \
     >"$LOGS/fuzz.log" 2>&1
   summary+=("fuzz (rc $?): $(grep -E '^fuzz:' "$LOGS/fuzz.log")")
   grep -A12 -m3 Traceback "$LOGS/fuzz.log" | head -40

@@ -101,7 +101,6 @@ def check_device(name: str, x: torch.Tensor) -> None:
 def check_seq_lens(seq_lens) -> int:
     """Checks ``seq_lens`` ([batch] int32) and returns the batch size."""
     _tensor("seq_lens", seq_lens, 1, (torch.int32,))
-    check_device("seq_lens", seq_lens)
     if seq_lens.shape[0] > 1 and seq_lens.stride(0) != 1:
         _fail(
             ValueError, "seq_lens", "a contiguous tensor (stride 1)", f"stride {seq_lens.stride(0)}"
@@ -125,6 +124,7 @@ def check_plan_args(
 ) -> int:
     """Checks :func:`pagedattn.plan_decode`'s arguments; returns the batch size."""
     batch = check_seq_lens(seq_lens)
+    check_device("seq_lens", seq_lens)
     _positive_int("num_q_heads", num_q_heads)
     _positive_int("num_kv_heads", num_kv_heads)
     if num_q_heads % num_kv_heads:
@@ -232,6 +232,7 @@ def check_decode_args(
         _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     batch = check_seq_lens(seq_lens)
     _tensor("q", q, 3, Q_DTYPES)
+    check_device("q", q)
     _tensor("k_cache", k_cache, 4, KV_DTYPES)
     _tensor("v_cache", v_cache, 4, KV_DTYPES)
     if v_cache.dtype != k_cache.dtype:

@@ -144,7 +144,7 @@ def random_case(
     about one in six), pages shuffled, unowned pages NaN."""
     g = geometry or random_geometry(rng)
     if g.num_programs is None and geometry is None:
-        g = dataclasses.replace(g, num_programs=g.num_kv_heads * rng.choice([1, 2, 3]))
+        g = dataclasses.replace(g, num_programs=g.num_kv_heads * rng.choice([1, 2]))
     batch = rng.randint(1, max_batch)
     lens = [
         0 if rng.random() < 1 / 6 else rng.randint(g.query_len, max(g.query_len, max_len))
