@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import multiprocessing
 import random
 import sys
 import time
@@ -21,6 +22,30 @@ import torch
 from pagedattn import testing
 
 
+def fuzz(seed: int, valid: int, corrupt: int, seconds: float, max_batch: int, max_len: int):
+    """One worker's share: ``(counts by kind, failure tracebacks)``."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rng = random.Random(seed)
+    kinds = ["valid"] * valid + ["corrupt"] * corrupt
+    rng.shuffle(kinds)
+    done = collections.Counter()
+    failures = []
+    start = time.perf_counter()
+    for kind in kinds:
+        if time.perf_counter() - start > seconds:
+            break
+        geometry = rng.choice(testing.COMPILED_GEOMETRIES)
+        case = testing.random_case(rng, device, geometry, max_batch=max_batch, max_len=max_len)
+        if kind == "corrupt":
+            case = testing.corrupt(case, rng)
+        try:
+            testing.check_case(case)
+        except Exception:  # report every kind of failure, keep fuzzing
+            failures.append(traceback.format_exc(limit=3))
+        done[case.corruption or "valid"] += 1
+    return done, failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--valid", type=int, default=1000, help="valid cases (default 1000)")
@@ -29,33 +54,36 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=24)
     parser.add_argument("--max-len", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--workers", type=int, default=1, help="processes sharing the GPU (host-bound checks)"
+    )
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rng = random.Random(args.seed)
-    kinds = ["valid"] * args.valid + ["corrupt"] * args.corrupt
-    rng.shuffle(kinds)
-    done = collections.Counter()
-    failures = []
-    start = time.perf_counter()
-    for kind in kinds:
-        if time.perf_counter() - start > args.seconds:
-            break
-        geometry = rng.choice(testing.COMPILED_GEOMETRIES)
-        case = testing.random_case(
-            rng, device, geometry, max_batch=args.max_batch, max_len=args.max_len
+    n = args.workers
+    shares = [
+        (
+            args.seed * 1000 + i,
+            args.valid // n + (i < args.valid % n),
+            args.corrupt // n + (i < args.corrupt % n),
+            args.seconds,
+            args.max_batch,
+            args.max_len,
         )
-        if kind == "corrupt":
-            case = testing.corrupt(case, rng)
-        try:
-            testing.check_case(case)
-        except Exception:  # report every kind of failure, keep fuzzing
-            failures.append(traceback.format_exc(limit=3))
-        done[case.corruption or "valid"] += 1
+        for i in range(n)
+    ]
+    start = time.perf_counter()
+    if n == 1:
+        results = [fuzz(*shares[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(n) as pool:
+            results = pool.starmap(fuzz, shares)
     elapsed = time.perf_counter() - start
+    done = sum((r[0] for r in results), collections.Counter())
+    failures = [text for r in results for text in r[1]]
     total = sum(done.values())
     corrupted = total - done["valid"]
     print(
-        f"fuzz: {total} cases in {elapsed:.0f} s ({done['valid']} valid, {corrupted} corrupted: "
+        f"fuzz: {total} cases in {elapsed:.0f} s on {n} worker(s) ({done['valid']} valid, "
+        f"{corrupted} corrupted: "
         + ", ".join(f"{k} {v}" for k, v in sorted(done.items()) if k != "valid")
         + f"), {len(failures)} failed"
     )

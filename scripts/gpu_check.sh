@@ -41,7 +41,7 @@ if [[ $MODE == tests || $MODE == all ]]; then
 fi
 
 if [[ $MODE == fuzz || $MODE == all ]]; then
-  python3 scripts/fuzz.py --valid 10000 --corrupt 1000 --max-batch 16 --max-len 2000 \
+  python3 scripts/fuzz.py --valid 10000 --corrupt 1000 --max-batch 16 --max-len 2000 --workers 6 \
     --seconds "${FUZZ_SECONDS:-300}" \
     >"$LOGS/fuzz.log" 2>&1
   summary+=("fuzz (rc $?): $(grep -E '^fuzz:' "$LOGS/fuzz.log")")
@@ -96,21 +96,27 @@ if [[ $MODE == ab ]]; then
 fi
 
 if [[ $MODE == ab_src ]]; then
+  # Rounds in the order A B, B A, ... (drift cancels); the comparison is rewritten after each.
   BASE=$1
   AB=/tmp/ab_src
   mkdir -p $AB
-  for round in 1 2; do
-    for v in base new; do
+  base_csvs=() new_csvs=()
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    order="base new"
+    ((round % 2 == 0)) && order="new base"
+    for v in $order; do
       src=$PWD/src
       [[ $v == base ]] && src=$PWD/$BASE/src
       PYTHONPATH=$src:${PYTHONPATH#*:} python3 -m pagedattn bench --preset seed \
         --providers pagedattn --no-plots --out "$AB/${v}_$round" >"$LOGS/ab_${v}_$round.log" 2>&1
-      summary+=("ab_src $v round $round rc $?")
+      summary+=("ab_src $v round $round rc $? at $(date +%T)")
+      if [[ $v == base ]]; then base_csvs+=("$AB/base_$round/seed.csv"); else new_csvs+=("$AB/new_$round/seed.csv"); fi
     done
+    python3 scripts/ab_env.py "$(IFS=,; echo "${base_csvs[*]}")" "$(IFS=,; echo "${new_csvs[*]}")" \
+      >"$OUT/ab_src.md"
+    tar -C $AB -czf "$OUT/ab_src.tar.gz" .
   done
-  python3 scripts/ab_env.py "$AB/base_1/seed.csv,$AB/base_2/seed.csv" \
-    "$AB/new_1/seed.csv,$AB/new_2/seed.csv" | tee "$OUT/ab_src.md" | tail -45
-  tar -C $AB -czf "$OUT/ab_src.tar.gz" .
+  tail -45 "$OUT/ab_src.md"
 fi
 
 echo "================ summary"

@@ -319,8 +319,10 @@ def _schedule_kernel(
     if SINGLE_BLOCK:
         in_batch = offs < batch
         raw = tl.load(seq_lens_ptr + offs, mask=in_batch, other=0)
-        if tl.program_id(0) == 0:
-            _record_lengths(planned_ptr, faults_ptr, offs, raw, in_batch, query_len, max_len)
+        # Each scheduler program records its slice of the lengths (no program does more).
+        SLICE: tl.constexpr = (BLOCK_B + NUM_PROGRAMS // LOCALS - 1) // (NUM_PROGRAMS // LOCALS)
+        mine = in_batch & (offs // SLICE == tl.program_id(0))
+        _record_lengths(planned_ptr, faults_ptr, offs, raw, mine, query_len, max_len)
         lens = _valid_lens(raw, query_len, max_len)
         if PARTITION_SHIFT == 0:
             shift = _auto_shift(
