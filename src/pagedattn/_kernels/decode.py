@@ -241,52 +241,6 @@ def _tile_uses_tma(use_tma, masked, tail_stages):
 
 
 @triton.jit
-def _work_fault(seq_len, planned_len, capacity, num_pages, token_start, token_end):
-    """A work's fault codes, and whether its rows are NaN: lengths are not trusted, so a work
-    reads no KV when its length changed since planning, exceeds the block table, or meets an
-    empty cache; an empty token range with a nonzero length is an invalid length (the
-    scheduler recorded it), with a zero one a padding slot (zero rows)."""
-    fault = tl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
-    fault |= tl.where(seq_len > capacity, FAULT_CAPACITY, 0)
-    fault |= tl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
-    invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
-    return fault, invalid
-
-
-@triton.jit
-def _first_tile(
-    token_start,
-    seq_len,
-    window,
-    QUERY_LEN: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-):
-    """Where a work's tiles start: whole tiles below every row's window are skipped (tiles
-    stay BLOCK_N-aligned)."""
-    lo = token_start
-    if HAS_WINDOW:
-        first_key = tl.maximum(seq_len - QUERY_LEN - window + 1, 0)
-        lo = tl.maximum(lo, (first_key // BLOCK_N) * BLOCK_N)
-    return lo
-
-
-@triton.jit
-def _bad_page_among(
-    bt_row, stride_bt_col, num_pages, first, end, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr
-):
-    """Whether the pages holding tokens ``first .. end - 1`` include an id outside
-    ``[0, num_pages)`` (read again from the block table, when a work's scores came out NaN)."""
-    found = first < 0  # False (first >= 0)
-    for c0 in range(first // PAGE_SIZE, (end + PAGE_SIZE - 1) // PAGE_SIZE, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        ok = cols < (end + PAGE_SIZE - 1) // PAGE_SIZE
-        ids = tl.load(bt_row + cols * stride_bt_col, mask=ok, other=0)
-        found = found | (tl.max((ok & ((ids < 0) | (ids >= num_pages))).to(tl.int32), axis=0) != 0)
-    return found
-
-
-@triton.jit
 def _attend_tile(
     page_fault,
     m_i,
@@ -356,10 +310,9 @@ def _attend_tile(
     K or V tile is live in registers at a time. MASKED=False is the hot path: every key of the
     tile is valid for every row. With per-token scales the accumulator holds the output divided
     by ``v_norm`` (the last tile's largest V scale; see below); otherwise ``v_norm`` passes
-    through. A page id outside ``[0, num_pages)`` is read as page 0. With one page per tile,
-    the tile's scores become NaN, which carries to ``l_i`` (the epilogue then looks for the
-    bad id): nothing more lives through the loop. Gathered tiles flag it per token in
-    ``page_fault``, reduced once at the end of the work.
+    through. A page id outside ``[0, num_pages)`` is read as page 0 and flagged in
+    ``page_fault`` (per token of the tile for gathered tiles, so the flag is reduced once, at
+    the end of the work).
     """
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     # A masked tile in a loop that is not pipelined reads K and V with plain loads, issued
@@ -385,10 +338,7 @@ def _attend_tile(
     slot_in_page = tok % PAGE_SIZE
     bad_page = (page < 0) | (page >= num_pages)
     page = tl.where(bad_page, 0, page)
-    if PAGE_SIZE >= BLOCK_N:
-        qk_scale = tl.where(bad_page, float("nan"), qk_scale)
-    else:
-        page_fault = page_fault | bad_page
+    page_fault = page_fault | bad_page
     page64 = page.to(tl.int64)  # caches pass 2^31 bytes
     k_row = page64 * stride_k_page + slot_in_page * stride_k_slot + kv_head * stride_k_head
     v_row = page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
@@ -724,8 +674,14 @@ def _decode_kernel(
         slot = tl.load(rec + WORK_PARTIAL_SLOT)
         seq_len = tl.load(seq_lens_ptr + seq)
         planned_len = tl.load(planned_lens_ptr + seq)
-        # -- a faulty work reads no KV (its rows become NaN in the epilogue) --
-        _, invalid = _work_fault(seq_len, planned_len, capacity, num_pages, token_start, token_end)
+        # -- lengths are not trusted: a work reads no KV and writes NaN rows when its length
+        # changed since planning, exceeds the block table, or meets an empty cache; an empty
+        # token range with a nonzero length is an invalid length (the scheduler recorded it),
+        # with a zero one a padding slot (zero rows) --
+        fault = tl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
+        fault |= tl.where(seq_len > capacity, FAULT_CAPACITY, 0)
+        fault |= tl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+        invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
         token_end = tl.where(invalid, token_start, token_end)
 
         # -- load the query rows of this kv head, in CHUNKS head_dim chunks --
@@ -777,7 +733,11 @@ def _decode_kernel(
         # Absolute position of each query row; it attends keys <= pos (and > pos - window).
         pos = seq_len - QUERY_LEN + row_tok
 
-        lo = _first_tile(token_start, seq_len, window, QUERY_LEN, BLOCK_N, HAS_WINDOW)
+        lo = token_start
+        if HAS_WINDOW:
+            # Skip whole tiles below every row's window (tiles stay BLOCK_N-aligned).
+            first_key = tl.maximum(seq_len - QUERY_LEN - window + 1, 0)
+            lo = tl.maximum(lo, (first_key // BLOCK_N) * BLOCK_N)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -881,24 +841,8 @@ def _decode_kernel(
         if TRACE:
             if trace_on:
                 tl.store(trace_work + 2, globaltimer())
-        # The work's faults, from its record and lengths read again (cheaper than holding
-        # them in registers through the loop).
-        seq_len = tl.load(seq_lens_ptr + seq)
-        token_start = tl.load(rec + WORK_TOKEN_START)
-        token_end = tl.load(rec + WORK_TOKEN_END)
-        fault, invalid = _work_fault(
-            seq_len, tl.load(planned_lens_ptr + seq), capacity, num_pages, token_start, token_end
-        )
         if PAGE_SIZE < BLOCK_N:
             page_fault = tl.max(page_fault.to(tl.int32), axis=0) != 0
-        else:
-            # NaN scores: a bad page id, or NaN in the cache itself; only the former is a fault.
-            page_fault = token_start < 0  # False (a runtime value: it may change below)
-            if (tl.max((l_i != l_i).to(tl.int32), axis=0) != 0) & (invalid == 0):
-                lo = _first_tile(token_start, seq_len, window, QUERY_LEN, BLOCK_N, HAS_WINDOW)
-                page_fault = _bad_page_among(
-                    bt_row, stride_bt_col, num_pages, lo, token_end, PAGE_SIZE, 16
-                )
         fault |= tl.where(page_fault, FAULT_PAGE_ID, 0)
         if fault != 0:
             tl.atomic_or(faults_ptr + seq, fault)
