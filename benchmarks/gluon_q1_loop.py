@@ -1,4 +1,5 @@
-"""Microbenchmark (NOTES.md step 73): a q_len-1 FP8 tile loop in Triton's Gluon dialect.
+"""Microbenchmark: a q_len-1 FP8 tile loop in Triton's Gluon dialect (docs/performance-log.md,
+"The kernel's instruction floor and the Gluon loop").
 
     PYTHONPATH=$PWD/src:$PWD python3 benchmarks/gluon_q1_loop.py \
         [per_sm:stages:half:lazy,...] [tiles,...] [page_alias,...]

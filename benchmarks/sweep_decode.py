@@ -1,4 +1,4 @@
-"""Launch-parameter sweep of the decode kernel on a few large shapes (for NOTES.md).
+"""Launch-parameter sweep of the decode kernel on a few large shapes (for docs/performance-log.md).
 
     python benchmarks/sweep_decode.py [--shapes 128x8192x1,...] [--mults 1,2,4] ...
 

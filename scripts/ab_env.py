@@ -1,5 +1,5 @@
 """Compares `pagedattn bench` CSVs of an A/B run: per case and provider, the median time of
-each variant, and B / A (for NOTES.md).
+each variant, and B / A (for docs/performance-log.md).
 
     python scripts/ab_env.py A.csv[,A2.csv] B.csv[,B2.csv]
 """

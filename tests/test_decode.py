@@ -21,7 +21,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def tolerance(kv_dtype, out_dtype, fp8_qk=False):
-    """Relative-error bounds (measured in NOTES.md; about 3x margin).
+    """Relative-error bounds (measured in docs/performance-log.md; about 3x margin).
 
     The P V dot takes P in bf16 for a bf16 cache (~2e-3) and fp16 otherwise (~2e-4); Q K^T
     on FP8 tensor cores (``fp8_qk``) adds ~9e-4 (H200); the output's own rounding adds ~2e-3

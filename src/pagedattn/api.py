@@ -68,17 +68,13 @@ def _pdl_from_env(value: str | None) -> bool:
 
 
 # Programmatic dependent launch (PDL) of the scheduler, the decode kernel and the reducer, on
-# sm_90+ unless PAGEDATTN_PDL=0 is in the environment: the scheduler lets the next kernel
-# launch at once, and the decode kernel, launched early, waits for the scheduler's results
-# before reading anything. A persistent grid launched early is placed on whichever SMs are
-# free at the time, so it is launched early only where its programs fill every SM exactly
-# (_pdl_places_evenly); without that guard bf16 KV at q_len 1 and batch 128 ran 1.10-1.16x
-# slower. With it, whole step against PDL off in the same run (NOTES.md, steps 44-45): seed
-# grid 0.981x in geometric mean (1 x 1024 10.7 -> 9.2 µs), bf16 0.999x, page 16 0.982x. The
-# reducer is a PDL launch too, released by each decode program once its writes are done (so
-# its programs take the SMs that decode programs leave) and waiting for the whole decode
-# grid's results: decode + reduce 0.93-0.99x at q_len 1, 0.94-1.00x at q_len 4 (NOTES.md,
-# step 71).
+# sm_90+ unless PAGEDATTN_PDL=0 is in the environment: each kernel may launch while the one
+# before it finishes and waits for its results before reading anything. A persistent grid
+# launched early lands on whichever SMs are free, so the decode kernel is launched early only
+# where its programs fill every SM exactly (_pdl_places_evenly; without that guard bf16 KV at
+# q_len 1, batch 128 ran 1.10-1.16x slower). Whole step with PDL against without, seed grid:
+# 0.981x in geometric mean; decode + reduce with the reducer on PDL: 0.93-1.00x
+# (`pagedattn bench` A/B, docs/performance-log.md, "Programmatic dependent launch").
 _PDL = _pdl_from_env(os.environ.get("PAGEDATTN_PDL"))
 
 
@@ -129,7 +125,7 @@ def plan_decode(
         Persistent grid size, a multiple of ``num_kv_heads``. Default: SMs x the multiplier of
         the tuning table's row for this device and shape when ``max_seq_len`` is given (see
         :mod:`pagedattn.tuning`), else four programs per SM when ``query_len x group <= 16``
-        and two otherwise (measured best on the H200, see benchmarks/NOTES.md); rounded up
+        and two otherwise (measured best on the H200, see docs/performance-log.md); rounded up
         to a multiple of ``num_kv_heads``.
     partition_size : int, optional
         Tokens per partition (the unit of load balance), a power of two >= 16. Default: the
@@ -404,8 +400,9 @@ def paged_decode(
     programs) and no host sync: the call may be captured in a CUDA graph. On sm_90+ the
     decode kernel (like the scheduler) is a programmatic dependent launch where its programs
     fill every SM exactly: it may launch before the kernel ahead of it has finished, and
-    waits for its results before reading anything (NOTES.md, steps 44-45); the reducer is
-    one too, waiting for the decode kernel's results (step 71). ``PAGEDATTN_PDL=0`` in the
+    waits for its results before reading anything; the reducer is one too, waiting for the
+    decode kernel's results (docs/performance-log.md, "Programmatic dependent launch").
+    ``PAGEDATTN_PDL=0`` in the
     environment turns that off. The result is deterministic: the same inputs and plan give
     the same bits.
 

@@ -102,7 +102,7 @@ def _libcuda():
 class CachedLaunch:
     """Launches a Triton kernel through its compiled handle once a call with the same
     specialisation has compiled it, skipping the JIT's per-call binding and cache lookup
-    (host time: benchmarks/NOTES.md, step 20).
+    (host time: docs/performance-log.md, "Host overhead").
 
     Calls pass the runtime arguments (tensors and ints only) in the kernel's parameter order,
     then the constexpr values, in order. The key holds everything Triton specialises such

@@ -114,7 +114,7 @@ def _split_e4m3(q, inv_scale):
     last bit at most half of hi's, so 4 bits too: exact whenever lo is an e4m3 normal. (hi cut
     toward zero would be exact as well, but lo then always has x's sign, and what the FP8
     tensor cores drop when they accumulate it no longer cancels: on the H200, 1.13e-3 error
-    instead of 8.7e-4 and a biased LSE; benchmarks/NOTES.md, step 54.)"""
+    instead of 8.7e-4 and a biased LSE; docs/performance-log.md, "Q·K^T numerics and FP8 tensor cores".)"""
     x = q.to(tl.float32) * inv_scale[:, None]
     hi = _round_4_bits(x)
     lo = x - hi
@@ -317,7 +317,7 @@ def _attend_tile(
     DC: tl.constexpr = HEAD_DIM // CHUNKS
     # A masked tile in a loop that is not pipelined reads K and V with plain loads, issued
     # together; its bulk copies would each be waited for in turn (one memory latency per
-    # copy: NOTES.md, step 63).
+    # copy: docs/performance-log.md, "Tile shapes and pipelining").
     TILE_TMA: tl.constexpr = _tile_uses_tma(USE_TMA, MASKED, TAIL_STAGES)
     # P (in [0, 1]) meets V in fp16 unless V is bf16: e4m3 and fp16 values are exact in fp16,
     # and fp16 keeps 3 more mantissa bits of P than bf16 (8x smaller error with a bf16 query).

@@ -54,7 +54,7 @@ from .records import (
 # Partition sizes the scheduler picks between when the planner leaves it the choice
 # (PARTITION_SHIFT == 0): the small one when 256-token partitions would leave at least half
 # the programs of a kv head idle and no sequence would be cut into more than 32 of them;
-# else 256 (NOTES.md, steps 22 and 28).
+# else 256 (docs/performance-log.md, "Partition size and load balance").
 AUTO_SMALL = tl.constexpr(128)
 AUTO_LARGE = tl.constexpr(256)
 AUTO_SMALL_MAX_LEN = tl.constexpr(32 * 128)

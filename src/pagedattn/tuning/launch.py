@@ -2,7 +2,7 @@
 
 Resolution order for the grid: explicit ``num_programs`` > tuning table > default
 (:func:`default_grid_multiplier` programs per SM). Tile shapes come from
-:func:`decode_launch_config`. Figures behind the defaults: ``benchmarks/NOTES.md``.
+:func:`decode_launch_config`. Figures behind the defaults: ``docs/performance-log.md``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import functools
 import torch
 
 DEFAULT_PARTITION = 256  # tokens per partition (the seed's)
-# Programs per SM. Measured on the H200 (FP8, 16/1 heads, 128 x 8192, head_dim chunks of
-# 64; benchmarks/NOTES.md, session 2): with <= 16 query rows per kv head, 2-warp programs
-# four to an SM reach 72% of the read ceiling (two per SM: 54-64%); with more rows, 4-warp
-# programs two to an SM reach 53% (four per SM: 50%).
+# Programs per SM. Measured on the H200 (FP8, 16/1 heads, 128 x 8192, head_dim chunks of 64;
+# docs/performance-log.md, "Grid size and programs per SM"): with <= 16 query rows per kv head,
+# 2-warp programs four to an SM reach 72% of the read ceiling (two per SM: 54-64%); with more rows,
+# 4-warp programs two to an SM reach 53% (four per SM: 50%).
 DEFAULT_GRID_MULTIPLIER = 2
 SMALL_ROWS_GRID_MULTIPLIER = 4
 SMALL_ROWS = 16  # query rows per kv head (query_len x group) served by the small-row config
@@ -86,24 +86,24 @@ def decode_launch_config(
     kv_scale: str | None = None,
 ) -> DecodeLaunchConfig:
     """Tile shape for the decode kernel (the caller caps ``block_n`` at the partition size, and
-    uses bulk copies only when a page holds a whole tile). Measured on the H200 (NOTES.md,
-    sessions 2-3): 128-token FP8 tiles cut into 64-wide head_dim chunks; 2 warps for <= 16
-    rows, else 4 warps and, for FP8, 5 stages (with the page-id load in the loop, Triton
-    double-buffers the tiles from 5 on). 16-bit caches take 64-token tiles: 128-token ones
-    need 74 KB of shared memory, so only 3 of the 4 programs per SM fit (two waves).
+    uses bulk copies only when a page holds a whole tile). Measured on the H200
+    (docs/performance-log.md, "Tile shapes and pipelining"): 128-token FP8 tiles cut into 64-wide
+    head_dim chunks; 2 warps for <= 16 rows, else 4 warps and, for FP8, 5 stages (with the page-id
+    load in the loop, Triton double-buffers the tiles from 5 on). 16-bit caches take 64-token tiles:
+    128-token ones need 74 KB of shared memory, so only 3 of the 4 programs per SM fit (two waves).
 
-    ``qk_fp8`` (FP8 keys as stored in Q K^T) where it was measured faster (NOTES.md, steps
-    49 and 51): 33-64 rows (one warpgroup tile of 64 rows) and head_dim 128; 4-12% at q_len
-    3-4 x 16 heads with per-tensor scales. With per-token scales, 5 stages would take 117 KB
-    of shared memory (one program per SM), so 4 (a single buffer): 8-9% faster than the
-    exact path's 5 stages at >= 134 MB. Not for <= 32 rows (no FP8 tensor-core path) or 128
-    rows (slower).
+    ``qk_fp8`` (FP8 keys as stored in Q K^T) where it was measured faster (docs/performance-log.md,
+    "Q·K^T numerics and FP8 tensor cores", "Per-token scales"): 33-64 rows (one warpgroup tile of 64
+    rows) and head_dim 128; 4-12% at q_len 3-4 x 16 heads with per-tensor scales. With per-token
+    scales, 5 stages would take 117 KB of shared memory (one program per SM), so 4 (a single
+    buffer): 8-9% faster than the exact path's 5 stages at >= 134 MB. Not for <= 32 rows (no FP8
+    tensor-core path) or 128 rows (slower).
 
-    ``tail_stages`` 2 (the masked tail tile's bulk copies issued together) for more than 16
-    rows: at q_len 4 x 16 heads over the seed's shapes, 0.89-0.97x the time with per-token
-    scales; per-tensor 0.97x in geometric mean, from 0.91x (small batches) to 1.03-1.04x at
-    the largest shapes (NOTES.md, step 62). Not for <= 16 rows: 59 more registers and 16 KB
-    more shared memory would leave 3 programs per SM instead of 4."""
+    ``tail_stages`` 2 (the masked tail tile's bulk copies issued together) for more than 16 rows: at
+    q_len 4 x 16 heads over the seed's shapes, 0.89-0.97x the time with per-token scales; per-tensor
+    0.97x in geometric mean, from 0.91x (small batches) to 1.03-1.04x at the largest shapes
+    (docs/performance-log.md, "Tile shapes and pipelining"). Not for <= 16 rows: 59 more registers
+    and 16 KB more shared memory would leave 3 programs per SM instead of 4."""
     fp8 = kv_dtype == torch.float8_e4m3fn
     block_n = 128 if head_dim <= 128 and fp8 else 64
     if rows <= SMALL_ROWS:
@@ -118,9 +118,10 @@ def decode_launch_config(
 def default_partition(*, batch: int, max_seq_len: int | None, programs_per_head: int) -> int:
     """Tokens per partition. The seed's 256, unless the host-side ``max_seq_len`` hint shows
     that 256-token partitions would leave programs idle (``batch * cdiv(max_seq_len, 256) <
-    programs_per_head``): then about one partition per program, but at most 32 per sequence,
-    as a power of two in 64..512. Measured on the H200 (benchmarks/NOTES.md, step 22): 1 x
-    1024 decode 11.3 -> 8.1 µs (64 tokens), 64 x 1024 14.4 -> 13.0 (128), 1 x 32768 21.0 ->
+    programs_per_head``): then about one partition per program, but at most 32 per sequence, as a
+    power of two in 64..512. Measured on the H200 (docs/performance-log.md, "Partition size and load
+    balance"): 1 x 1024 decode 11.3 -> 8.1 µs (64 tokens), 64 x 1024 14.4 -> 13.0 (128), 1 x 32768
+    21.0 ->
     20.0 (512)."""
     if max_seq_len is None:
         return DEFAULT_PARTITION
@@ -142,13 +143,12 @@ def reduce_launch_config(
     """Reducer tile for ``records`` possible cut sequences (the plan's bound); at most 2048
     partial elements (rows x columns x partials) per step, not pipelined.
 
-    Up to 16 rows (``SMALL_ROWS``): all rows x 16 columns x 8 partials (for 16 rows the
-    fastest tile, or within 0.05 µs of it, at all seven q_len-1 shapes measured, 1 to 128
-    records: 5.2 -> 4.0 µs at 64 x 8192; NOTES.md, step 30). More rows: about one program
-    per SM in all; many records keep all rows and 32+ columns, few records split the rows
-    down to 16 and then take 16 columns, so the merge spreads over many programs (q_len 4,
-    16 rows x 4: 64 x 8192 4.37 -> 3.97 µs with 64 x 32 x 1, 16 x 32768 6.80 -> 5.05 with
-    16 x 16 x 8; steps 18 and 35).
+    Up to 16 rows (``SMALL_ROWS``): all rows x 16 columns x 8 partials (for 16 rows the fastest
+    tile, or within 0.05 µs of it, at all seven q_len-1 shapes measured, 1 to 128 records: 5.2 ->
+    4.0 µs at 64 x 8192; docs/performance-log.md, "The reducer"). More rows: about one program per
+    SM in all; many records keep all rows and 32+ columns, few records split the rows down to 16 and
+    then take 16 columns, so the merge spreads over many programs (q_len 4, 16 rows x 4: 64 x 8192
+    4.37 -> 3.97 µs with 64 x 32 x 1, 16 x 32768 6.80 -> 5.05 with 16 x 16 x 8; steps 18 and 35).
     """
     if rows <= SMALL_ROWS:
         block_r = next_power_of_2(rows)
@@ -178,12 +178,12 @@ def schedule_locals(
     *, batch: int, block_b: int, num_programs: int, num_kv_heads: int, sm_count: int
 ) -> int:
     """Decode programs whose works one scheduler program writes. One, unless the batch is
-    scanned in chunks of ``block_b``; then as many (a power of two, at most 8, dividing the
-    programs of a kv head) as leave about two scheduler programs per SM: every scheduler
-    program scans the whole batch, so fewer of them do less of the same work, while each
-    writes the works of its decode programs one after the other. Measured on the H200
-    (benchmarks/NOTES.md, step 37), decode programs per scheduler program 1 / 2 / 4: batch
-    8192 at 528 decode programs 21.6 / 17.0 / 21.2 µs, at 264 13.1 / 15.3 / 22.5, at 132
+    scanned in chunks of ``block_b``; then as many (a power of two, at most 8, dividing the programs
+    of a kv head) as leave about two scheduler programs per SM: every scheduler program scans the
+    whole batch, so fewer of them do less of the same work, while each writes the works of its
+    decode programs one after the other. Measured on the H200 (docs/performance-log.md, "The
+    scheduler"), decode programs per scheduler program 1 / 2 / 4: batch 8192 at 528 decode programs
+    21.6 / 17.0 / 21.2 µs, at 264 13.1 / 15.3 / 22.5, at 132
     11.1 / 15.7 / 23.5; one block (batch 1024 x 528) 4.9 / 5.0 / 6.2."""
     if batch <= block_b:
         return 1
@@ -199,7 +199,7 @@ def schedule_warps(*, block_b: int, num_programs: int, sm_count: int) -> int:
     (no cross-warp exchange); above, 4 up to 1024 sequences and 8 beyond, but no more than
     about 8 warps per SM in all for ``num_programs`` scheduler programs (every program scans
     the whole batch, so with 4 programs per SM fewer warps each win). Measured on the H200
-    (benchmarks/NOTES.md, steps 26 and 35): batch 8192 with 528 programs 33.2 µs at 8 warps,
+    (docs/performance-log.md, "The scheduler"): batch 8192 with 528 programs 33.2 µs at 8 warps,
     27.0 at 2; batch 256 x 528 3.83 -> 3.53; with 132 programs 8 warps stay the best at batch
     8192 (14.7 vs 15.9 at 4)."""
     if block_b <= 64:
