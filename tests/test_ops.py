@@ -1,0 +1,239 @@
+"""The custom ops (``torch.ops.pagedattn.*``) against eager ``paged_decode``, and
+``torch.compile(fullgraph=True)`` over them, through the interpreter on CPU.
+
+The compiled tests use ``backend="aot_eager"`` on CPU: it runs Dynamo and AOTAutograd's
+functionalization of the mutating ops (what Inductor receives), with the ops' real kernels.
+Inductor itself works on CPU too but its C++ build takes about 35 s here, over the CI
+budget, so the Inductor test runs on the GPU only.
+"""
+
+import pytest
+import torch
+from conftest import DEVICE, ON_GPU
+
+import pagedattn
+from pagedattn import ops
+from pagedattn.cache import FP8_DTYPE
+from pagedattn.reference import paged_decode_torch, rel_error
+
+SIZES = dict(
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    page_size=4,
+    kv_dtype=FP8_DTYPE,
+    kv_scale="per_token",
+    num_programs=4,
+    partition_size=16,
+)
+LENS = [5, 37, 0]  # 37 tokens span partitions: split works and the reducer run
+
+
+def _step(gen, lens=LENS):
+    cache = pagedattn.build_paged_cache(
+        lens,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=4,
+        kv_dtype=FP8_DTYPE,
+        kv_scale="per_token",
+        device=DEVICE,
+        generator=gen,
+        extra_pages=1,
+        max_pages_per_seq=12,
+    )
+    q = torch.randn(len(lens), 4, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
+    return cache, q
+
+
+def _decode_args(cache):
+    return (cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+
+
+def test_ops_are_bitwise_eager_paged_decode(gen):
+    cache, q = _step(gen)
+    plan = pagedattn.plan_decode(cache.seq_lens, **SIZES)
+    want, want_lse = pagedattn.paged_decode(
+        q,
+        *_decode_args(cache),
+        plan=plan,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        return_lse=True,
+    )
+    assert plan.reduce_items(), "expected a split sequence (the reducer's path)"
+
+    other = pagedattn.plan_decode(cache.seq_lens, **SIZES)
+    other.metadata.fill_(-7)
+    assert ops.refill_plan(other, cache.seq_lens) is other
+    used = plan.faults_offset + plan.batch
+    assert torch.equal(other.metadata[:used], plan.metadata[:used])
+
+    out, lse = ops.paged_decode(
+        q,
+        *_decode_args(cache),
+        plan=other,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        return_lse=True,
+    )
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    # Into a given float32 out, through the mutating op.
+    out32 = torch.full(q.shape, 5.0, device=DEVICE)
+    want32 = pagedattn.paged_decode(
+        q,
+        *_decode_args(cache),
+        plan=plan,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        out=torch.empty_like(out32),
+    )
+    got = ops.paged_decode(
+        q,
+        *_decode_args(cache),
+        plan=other,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        out=out32,
+    )
+    assert got is out32 and torch.equal(out32, want32)
+    ref = paged_decode_torch(q, *_decode_args(cache), k_scale=cache.k_scale, v_scale=cache.v_scale)
+    assert rel_error(out32, ref) < 2e-3
+
+
+def test_ops_record_faults_and_check_buffers(gen):
+    cache, q = _step(gen)
+    plan = pagedattn.plan_decode(cache.seq_lens, **SIZES)
+    table = cache.block_table.clone()
+    table[1, 2] = 10_000  # a page id out of range: NaN rows, a fault in the plan's metadata
+    out = ops.paged_decode(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        table,
+        cache.seq_lens,
+        plan=plan,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+    )
+    assert bool(out[1].isnan().all()) and not bool(out[0].isnan().any())
+    assert [f.seq for f in plan.faults()] == [1]
+    with pytest.raises(ValueError, match=r"seq_lens/block_table: 1 faulty sequence"):
+        ops.paged_decode(
+            q,
+            cache.k_cache,
+            cache.v_cache,
+            table,
+            cache.seq_lens,
+            plan=plan,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            debug=True,
+        )
+    args = list(ops._plan_args(plan))
+    with pytest.raises(ValueError, match=r"metadata: expected int32 of shape \(\d+,\)"):
+        torch.ops.pagedattn.refill_plan(cache.seq_lens, plan.metadata[:-1], *args)
+
+
+def _compiled_step(plan, seq_lens, q, k_cache, v_cache, block_table, k_scale, v_scale):
+    """One decode step of two "layers": the refill op once, then the decode ops."""
+    ops.refill_plan(plan, seq_lens)
+    first, lse = ops.paged_decode(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        plan=plan,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        return_lse=True,
+    )
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    # The public entry point, traced as ops.paged_decode (substitute_in_graph).
+    pagedattn.paged_decode(
+        (first * 2).to(q.dtype),
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        plan=plan,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out=out,
+    )
+    return first, lse, out + 1
+
+
+def _compile_matches_eager(gen, backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(_compiled_step, fullgraph=True, backend=backend)
+    cache, q = _step(gen)
+    args = (q, *_decode_args(cache)[:3], cache.k_scale, cache.v_scale)
+    plan = pagedattn.plan_decode(cache.seq_lens, **SIZES)
+    eager_plan = pagedattn.plan_decode(cache.seq_lens, **SIZES)
+    # Two steps: the second with other lengths refills the same plan inside the graph (shorter
+    # ones, as the cache's pages past the lengths hold NaN).
+    for lens in (cache.seq_lens, cache.seq_lens - torch.tensor([2, 21, 0], dtype=torch.int32)):
+        got = compiled(plan, lens, *args)
+        want = _compiled_step(eager_plan, lens, *args)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        used = plan.faults_offset + plan.batch
+        assert torch.equal(plan.metadata[:used], eager_plan.metadata[:used])
+    assert not bool(got[0].isnan().any())
+
+
+def test_compile_fullgraph_aot_eager_matches_eager(gen):
+    _compile_matches_eager(gen, "aot_eager")
+
+
+@pytest.mark.skipif(
+    not ON_GPU, reason="Inductor's CPU build takes ~35 s, over the CI budget (GPU only)"
+)
+def test_compile_fullgraph_inductor_matches_eager(gen):
+    _compile_matches_eager(gen, "inductor")
+
+
+def test_plan_decode_inside_compile_makes_the_eager_plan(gen):
+    cache, q = _step(gen)
+
+    def step(seq_lens, q, k_cache, v_cache, block_table, k_scale, v_scale):
+        plan = pagedattn.plan_decode(seq_lens, **SIZES)  # a new plan, sizes chosen at trace
+        return pagedattn.paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            plan=plan,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+    torch._dynamo.reset()
+    args = (cache.seq_lens, q, *_decode_args(cache)[:3], cache.k_scale, cache.v_scale)
+    got = torch.compile(step, fullgraph=True, backend="eager")(*args)
+    assert torch.equal(got, step(*args))
+
+
+def test_options_outside_the_ops_are_refused_under_compile(gen):
+    cache, q = _step(gen)
+    plan = pagedattn.plan_decode(cache.seq_lens, **SIZES)
+
+    def step(q, k_cache, v_cache, block_table, seq_lens):
+        return ops.paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            plan=plan,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            launch_config="a tile shape",
+        )
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"launch_config: expected None when paged_decode runs"):
+        torch.compile(step, fullgraph=True, backend="eager")(q, *_decode_args(cache))
