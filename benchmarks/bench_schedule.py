@@ -18,8 +18,8 @@ import statistics
 import torch
 
 import pagedattn
-import pagedattn.api
 from benchmarks.providers import host_time_us
+from pagedattn.tuning.launch import ScheduleLaunchConfig
 
 
 def gpu_us(fn, reps: int = 20, rounds: int = 30) -> float:
@@ -67,7 +67,7 @@ def main() -> None:
         "| host µs (plan_decode) | host µs (reuse=) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    default_window = pagedattn.api._SCHEDULE_WINDOW
+    default = ScheduleLaunchConfig()
     for batch, mult, window, warps, locals_ in itertools.product(
         [int(b) for b in args.batches.split(",")],
         [int(m) for m in args.multipliers.split(",")],
@@ -75,9 +75,7 @@ def main() -> None:
         warps_list,
         locals_list,
     ):
-        pagedattn.api._SCHEDULE_WINDOW = window or default_window
-        pagedattn.api._SCHEDULE_WARPS = warps
-        pagedattn.api._SCHEDULE_LOCALS = locals_
+        config = ScheduleLaunchConfig(window=window or default.window, warps=warps, locals=locals_)
         lens = torch.randint(1, 32768, (batch,), generator=gen, device=device)
         seq_lens = lens.to(torch.int32)
         kw = dict(
@@ -88,6 +86,7 @@ def main() -> None:
             kv_dtype=torch.float8_e4m3fn,
             kv_scale="per_tensor",
             num_programs=sms * mult,
+            schedule_config=config,
         )
         plan = pagedattn.plan_decode(seq_lens, **kw)
 
@@ -99,16 +98,13 @@ def main() -> None:
 
         g = gpu_us(refill)
         h, r = host_time_us(fresh, samples=200), host_time_us(refill, samples=200)
-        whole = batch <= pagedattn.api._SCHEDULE_WHOLE
-        shown_window = "whole" if whole else pagedattn.api._SCHEDULE_WINDOW
+        whole = batch <= config.whole
+        shown_window = "whole" if whole else config.window
         print(
             f"| {batch} | {sms * mult} | {locals_ or 'auto'} | {shown_window} | {warps or 'auto'} "
             f"| {g:.2f} "
             f"| {h:.1f} | {r:.1f} |"
         )
-    pagedattn.api._SCHEDULE_WINDOW = default_window
-    pagedattn.api._SCHEDULE_WARPS = None
-    pagedattn.api._SCHEDULE_LOCALS = None
 
 
 if __name__ == "__main__":

@@ -604,7 +604,8 @@ def test_trace_stamps_follow_each_program(gen):
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
     trace = torch.zeros(plan.num_programs, TRACE_SLOTS, dtype=torch.int64, device=DEVICE)
-    traced = pagedattn.paged_decode(*args, **kw, _trace=trace)
+    with pagedattn.api.tracing(trace):
+        traced = pagedattn.paged_decode(*args, **kw)
     assert torch.equal(traced, pagedattn.paged_decode(*args, **kw))
     t = trace.cpu()
     works = torch.diff(plan.work_indptr.cpu())

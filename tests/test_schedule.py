@@ -10,13 +10,16 @@ from hypothesis import strategies as st
 import pagedattn
 from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy, valid_lens
 from pagedattn.tuning.launch import (
+    ScheduleLaunchConfig,
     default_grid_multiplier,
     default_num_programs,
     default_partition,
 )
 
 
-def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1):
+def make_plan(
+    lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1, schedule=None
+):
     """A plan scheduled into poisoned buffers, so that anything the scheduler should have
     written and did not shows."""
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
@@ -28,6 +31,7 @@ def make_plan(lens, *, num_kv_heads, group, num_programs, partition_size, query_
         query_len=query_len,
         num_programs=num_programs,
         partition_size=partition_size,
+        schedule_config=schedule,
     )
     plan = pagedattn.plan_decode(seq_lens, **kwargs)
     plan.metadata.fill_(0x5A5A5A5A)
@@ -299,31 +303,25 @@ def test_plan_decode_never_syncs():
 
 
 @pytest.mark.parametrize("window", [1, 4, 32])
-def test_chunked_scan_matches_single_block(window, monkeypatch):
+def test_chunked_scan_matches_single_block(window):
     """A batch larger than the scheduler's block is scanned in chunks, and a program writes
     its works 1, 4 or 32 sequences at a time; the same plan every way."""
-    import pagedattn.api
-
     rng = np.random.default_rng(7)
     lens = rng.integers(1, 700, size=45)
     lens[3] = 9000
     kwargs = dict(num_kv_heads=2, group=2, num_programs=10, partition_size=64)
     single = make_plan(lens, **kwargs)
-    monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", 16)
-    monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WINDOW", window)
-    chunked = make_plan(lens, **kwargs)
+    chunked = make_plan(lens, **kwargs, schedule=ScheduleLaunchConfig(block=16, window=window))
     assert_same_plan(single, chunked)
     check_matches_numpy(chunked, lens, 64)
 
 
 @pytest.mark.parametrize("window", [1, 4])
-def test_single_block_windows_match_the_registers(window, monkeypatch):
+def test_single_block_windows_match_the_registers(window):
     """A batch held in one block writes each program's works either straight from the
     registers (small batches) or from windows of sequences reloaded and rescanned (larger
     ones; windows of 1 or 4 here, so a program's works span several): the same plan either
     way, and the NumPy twin's."""
-    import pagedattn.api
-
     rng = np.random.default_rng(5)
     lens = rng.integers(0, 700, size=45)
     lens[[3, 30]] = 9000, 0
@@ -332,51 +330,47 @@ def test_single_block_windows_match_the_registers(window, monkeypatch):
         dict(num_kv_heads=1, group=4, num_programs=16, partition_size=None),
     ):
         whole = make_plan(lens, **kwargs)
-        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WHOLE", 0)
-        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WINDOW", window)
-        windowed = make_plan(lens, **kwargs)
-        monkeypatch.undo()
+        windowed = make_plan(lens, **kwargs, schedule=ScheduleLaunchConfig(whole=0, window=window))
         assert_same_plan(whole, windowed)
         check_matches_numpy(windowed, lens, kwargs["partition_size"])
 
 
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("locals_", [2, 4])
-def test_scheduler_programs_serving_several_decode_programs(locals_, chunked, monkeypatch):
+def test_scheduler_programs_serving_several_decode_programs(locals_, chunked):
     """One scheduler program writes the works of 2 or 4 consecutive decode programs: the same
     plan as one scheduler program per decode program, from a single block or in chunks,
     with a window or from the registers, including empty sequences and idle programs."""
-    import pagedattn.api
-
     rng = np.random.default_rng(11)
     lens = rng.integers(0, 700, size=45)
     lens[[3, 20]] = 9000, 0
-    block = pagedattn.api._SCHEDULE_BLOCK
     cases = [
         (lens, dict(num_kv_heads=2, group=2, num_programs=16, partition_size=64)),
         (lens[:5], dict(num_kv_heads=1, group=4, num_programs=24, partition_size=None)),
         ([300, 5], dict(num_kv_heads=1, group=4, num_programs=16, partition_size=256)),
     ]
+    default = ScheduleLaunchConfig()
     for case_lens, kwargs in cases:
-        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_LOCALS", 1)
-        one = make_plan(case_lens, **kwargs)
-        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_LOCALS", locals_)
-        if chunked:
-            monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", 16)
-        for window in (1, 32) if chunked else (pagedattn.api._SCHEDULE_WINDOW,):
-            monkeypatch.setattr(pagedattn.api, "_SCHEDULE_WINDOW", window)
-            several = make_plan(case_lens, **kwargs)
+        one = make_plan(case_lens, **kwargs, schedule=ScheduleLaunchConfig(locals=1))
+        for window in (1, 32) if chunked else (default.window,):
+            config = ScheduleLaunchConfig(
+                block=16 if chunked else default.block, window=window, locals=locals_
+            )
+            several = make_plan(case_lens, **kwargs, schedule=config)
             assert_same_plan(one, several)
             check_matches_numpy(several, case_lens, kwargs["partition_size"])
-        monkeypatch.setattr(pagedattn.api, "_SCHEDULE_BLOCK", block)
 
 
-def test_scheduler_locals_must_divide_the_programs_of_a_head(monkeypatch):
-    import pagedattn.api
-
-    monkeypatch.setattr(pagedattn.api, "_SCHEDULE_LOCALS", 3)
-    with pytest.raises(ValueError, match="must divide the programs per kv head"):
-        make_plan([5, 9], num_kv_heads=2, group=1, num_programs=8, partition_size=16)
+def test_scheduler_locals_must_divide_the_programs_of_a_head():
+    with pytest.raises(ValueError, match=r"schedule_config.locals=3: expected a divisor"):
+        make_plan(
+            [5, 9],
+            num_kv_heads=2,
+            group=1,
+            num_programs=8,
+            partition_size=16,
+            schedule=ScheduleLaunchConfig(locals=3),
+        )
 
 
 def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, monkeypatch):

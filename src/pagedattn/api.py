@@ -7,6 +7,8 @@ captured in one CUDA graph and replayed with new ``seq_lens``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import warnings
 
@@ -22,6 +24,7 @@ from .plan import DecodePlan, allocate_plan
 from .tuning.launch import (
     DecodeLaunchConfig,
     ReduceLaunchConfig,
+    ScheduleLaunchConfig,
     decode_launch_config,
     default_grid_multiplier,
     default_num_programs,
@@ -30,26 +33,13 @@ from .tuning.launch import (
     head_chunks,
     next_power_of_2,
     reduce_launch_config,
-    schedule_locals,
-    schedule_warps,
+    schedule_launch,
     sm_count,
 )
 from .tuning.table import TuningKey, lookup_grid
 
 LOG2E = 1.4426950408889634
 _SCALE_MODES = {None: SCALE_NONE, "per_tensor": SCALE_TENSOR, "per_token": SCALE_TOKEN}
-# Sequences the scheduler holds at once; a larger batch is scanned in chunks of this size.
-_SCHEDULE_BLOCK = 2048
-# Sequences per step when a scheduler program writes its works (it touches a few
-# consecutive sequences, about batch / programs + 2). Batches up to _SCHEDULE_WHOLE are
-# written straight from the registers that hold them (one global round trip fewer).
-_SCHEDULE_WINDOW = 32
-_SCHEDULE_WHOLE = 256
-# Decode programs per scheduler program (None: `schedule_locals`; tests and benchmarks set it).
-_SCHEDULE_LOCALS = None
-# Warps of a scheduler program (None: `schedule_warps`, by block size and programs per SM;
-# benchmarks set it).
-_SCHEDULE_WARPS = None
 
 
 def _pdl_from_env(value: str | None) -> bool:
@@ -86,6 +76,25 @@ def pdl_enabled(device: torch.device) -> bool:
     return _PDL and pdl_supported(device)
 
 
+# A profiling buffer the decode kernel fills with clock stamps (see ``tracing``).
+_TRACE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "pagedattn_trace", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing(buffer: torch.Tensor):
+    """Profiling only (``scripts/trace_decode.py``, compiled kernels): inside this block,
+    :func:`paged_decode` fills ``buffer``, int64 ``[num_programs, TRACE_SLOTS]``, with
+    ``%globaltimer`` stamps of each program and its first works (see
+    ``pagedattn._kernels.decode``)."""
+    token = _TRACE.set(buffer)
+    try:
+        yield buffer
+    finally:
+        _TRACE.reset(token)
+
+
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -106,6 +115,7 @@ def plan_decode(
     partition_size: int | None = None,
     reuse: DecodePlan | None = None,
     max_seq_len: int | None = None,
+    schedule_config: ScheduleLaunchConfig | None = None,
 ) -> DecodePlan:
     """Builds the work list of one decode step on the GPU, in one launch, without a host sync.
 
@@ -142,6 +152,10 @@ def plan_decode(
         A host-side bound on ``seq_lens`` (engines know it without reading the GPU). It only
         selects the tuning table's context bucket for the grid size and the default partition
         size; nothing is checked against it, and leaving it out never syncs either.
+    schedule_config : ScheduleLaunchConfig, optional
+        The scheduler's launch parameters (for tests and benchmarks); default
+        ``ScheduleLaunchConfig()``, resolved per step by
+        :func:`pagedattn.tuning.launch.schedule_launch`.
 
     Returns
     -------
@@ -227,24 +241,16 @@ def plan_decode(
         plan = reuse
     else:
         plan = allocate_plan(**dict(zip(DecodePlan.SIZE_FIELDS, key)))
-    block_b = min(_SCHEDULE_BLOCK, next_power_of_2(max(batch, 16)))
-    sms = sm_count(device)
-    locals_ = _SCHEDULE_LOCALS or schedule_locals(
+    launch = schedule_launch(
+        schedule_config,
         batch=batch,
-        block_b=block_b,
         num_programs=num_programs,
         num_kv_heads=num_kv_heads,
-        sm_count=sms,
+        sm_count=sm_count(device),
     )
-    if (num_programs // num_kv_heads) % locals_:
-        raise ValueError(
-            f"_SCHEDULE_LOCALS={locals_} must divide the programs per kv head "
-            f"({num_programs // num_kv_heads})"
-        )
-    grid = num_programs // locals_
     pdl = pdl_enabled(device)
     _launch_schedule(
-        (grid,),
+        (launch.grid,),
         (
             seq_lens,
             plan.metadata,
@@ -254,21 +260,17 @@ def plan_decode(
             query_len,
             plan.max_seq_len,
         ),
-        (  # PROGRAMS_PER_HEAD, NUM_PROGRAMS, GROUP, PARTITION_SHIFT, BLOCK_B, SINGLE_BLOCK,
-            # WINDOW, LOCALS, PDL
-            num_programs // num_kv_heads,
-            num_programs,
-            num_q_heads // num_kv_heads,
-            (partition_size or 1).bit_length() - 1,  # 0: the scheduler picks it
-            block_b,
-            batch <= block_b,
-            0 if batch <= min(block_b, _SCHEDULE_WHOLE) else _SCHEDULE_WINDOW,
-            locals_,
-            pdl,
-        ),
-        num_warps=_SCHEDULE_WARPS
-        or schedule_warps(block_b=block_b, num_programs=grid, sm_count=sms),
+        num_warps=launch.warps,
         launch_pdl=pdl,
+        PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
+        NUM_PROGRAMS=num_programs,
+        GROUP=num_q_heads // num_kv_heads,
+        PARTITION_SHIFT=(partition_size or 1).bit_length() - 1,  # 0: the scheduler picks it
+        BLOCK_B=launch.block_b,
+        SINGLE_BLOCK=batch <= launch.block_b,
+        WINDOW=launch.window,
+        LOCALS=launch.locals,
+        PDL=pdl,
     )
     return plan
 
@@ -333,7 +335,6 @@ def paged_decode(
     debug: bool = False,
     exact_qk: bool = False,
     launch_config: DecodeLaunchConfig | None = None,
-    _trace: torch.Tensor | None = None,
 ):
     """Paged-attention decode: each sequence's new tokens attend to its paged KV cache.
 
@@ -384,10 +385,6 @@ def paged_decode(
         reducer's tile (for tuners); defaults from
         :func:`pagedattn.tuning.launch.decode_launch_config` and
         :func:`pagedattn.tuning.launch.reduce_launch_config`.
-    _trace : torch.Tensor, optional
-        Profiling only (``scripts/trace_decode.py``, compiled kernels): int64
-        ``[num_programs, TRACE_SLOTS]`` that the decode kernel fills with ``%globaltimer``
-        stamps (see ``pagedattn._kernels.decode``).
 
     Returns
     -------
@@ -453,6 +450,7 @@ def paged_decode(
             kv_dtype=shape.kv_dtype,
             kv_scale=shape.kv_scale,
         )
+    trace = _TRACE.get()
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = None
@@ -528,7 +526,7 @@ def paged_decode(
         plan.lse_offset,
         sm_scale * LOG2E,
         sliding_window or 0,
-        _trace,
+        trace,
     )
     constexprs = dict(
         QUERY_LEN=shape.query_len,
@@ -548,7 +546,7 @@ def paged_decode(
         CHUNKS=chunks,
         NUM_STAGES=config.num_stages,
         TAIL_STAGES=config.tail_stages,
-        TRACE=_trace is not None,
+        TRACE=trace is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
@@ -631,17 +629,15 @@ def reduce_partials(
             lse if lse is not None else out,  # never written when WRITE_LSE is False
             lse.stride(0) if lse is not None else 0,
         ),
-        (  # QUERY_LEN, GROUP, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, WRITE_LSE, PDL
-            plan.query_len,
-            plan.group,
-            plan.head_dim,
-            red.block_r,
-            red.block_d,
-            red.slot_block,
-            red.num_stages,
-            lse is not None,
-            pdl,
-        ),
         num_warps=red.num_warps,
         launch_pdl=pdl,
+        QUERY_LEN=plan.query_len,
+        GROUP=plan.group,
+        HEAD_DIM=plan.head_dim,
+        BLOCK_R=red.block_r,
+        BLOCK_D=red.block_d,
+        SLOT_BLOCK=red.slot_block,
+        NUM_STAGES=red.num_stages,
+        WRITE_LSE=lse is not None,
+        PDL=pdl,
     )

@@ -2,6 +2,7 @@
 
 import ctypes
 import functools
+import inspect
 import os
 
 import torch
@@ -105,7 +106,7 @@ class CachedLaunch:
     (host time: docs/performance-log.md, "Host overhead").
 
     Calls pass the runtime arguments (tensors and ints only) in the kernel's parameter order,
-    then the constexpr values, in order. The key holds everything Triton specialises such
+    and the constexprs by keyword (all of them). The key holds everything Triton specialises such
     arguments on (a tensor's dtype and 16-byte alignment; an int's being 1, its divisibility
     by 16 and its width) and the launch options (warps, ``launch_pdl``), so it is never
     coarser than Triton's own; the first call with a new key goes through the JIT. Under the
@@ -115,8 +116,21 @@ class CachedLaunch:
     def __init__(self, kernel):
         self.kernel = kernel
         self.compiled = {}
+        # The same under the interpreter, whose kernels have no ``params``.
+        signature = inspect.signature(getattr(kernel, "fn", kernel))
+        self.constexpr_names = tuple(
+            p.name for p in signature.parameters.values() if "constexpr" in str(p.annotation)
+        )
 
-    def __call__(self, grid, args, constexprs, num_warps, launch_pdl=False):
+    def __call__(self, grid, args, *, num_warps, launch_pdl=False, **named):
+        try:
+            constexprs = tuple(named[name] for name in self.constexpr_names)
+        except KeyError:
+            constexprs = ()
+        if len(constexprs) != len(named) or len(named) != len(self.constexpr_names):
+            raise TypeError(
+                f"CachedLaunch: expected the constexprs {self.constexpr_names}, got {tuple(named)}"
+            )
         compiled = None
         if not _INTERPRETING:
             key = (
@@ -130,7 +144,7 @@ class CachedLaunch:
         if compiled is not None:
             compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
             return
-        kwargs = dict(zip(self.kernel.arg_names[len(args) :], constexprs))
+        kwargs = dict(named)
         if launch_pdl:
             kwargs["launch_pdl"] = True
         result = self.kernel[grid](*args, **kwargs, num_warps=num_warps)

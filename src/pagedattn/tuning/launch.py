@@ -174,6 +174,68 @@ def reduce_launch_config(
     return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScheduleLaunchConfig:
+    """Launch parameters of the GPU scheduler; ``plan_decode(..., schedule_config=)`` takes
+    one (for tests and benchmarks), :func:`schedule_launch` resolves it for a step.
+
+    ``block``: sequences a scheduler program holds at once (a larger batch is scanned in
+    chunks of this size). A program writes its works straight from the registers that hold
+    the batch when it is at most ``whole`` sequences (and one block), else from windows of
+    ``window`` consecutive sequences reloaded (a decode program touches about batch /
+    programs + 2 of them). ``locals``: decode programs whose works one scheduler program
+    writes (None: :func:`schedule_locals`); ``warps``: warps per scheduler program (None:
+    :func:`schedule_warps`)."""
+
+    block: int = 2048
+    window: int = 32
+    whole: int = 256
+    locals: int | None = None
+    warps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleLaunch:
+    """A scheduler launch resolved for one step (the kernel's BLOCK_B, WINDOW, LOCALS)."""
+
+    block_b: int
+    window: int  # 0: straight from the registers
+    locals: int
+    warps: int
+    grid: int
+
+
+def schedule_launch(
+    config: ScheduleLaunchConfig | None,
+    *,
+    batch: int,
+    num_programs: int,
+    num_kv_heads: int,
+    sm_count: int,
+) -> ScheduleLaunch:
+    """Resolves ``config`` (None: the defaults) for a step; raises ValueError where its
+    ``locals`` does not divide the programs of a kv head."""
+    config = config or ScheduleLaunchConfig()
+    block_b = min(config.block, next_power_of_2(max(batch, 16)))
+    locals_ = config.locals or schedule_locals(
+        batch=batch,
+        block_b=block_b,
+        num_programs=num_programs,
+        num_kv_heads=num_kv_heads,
+        sm_count=sm_count,
+    )
+    per_head = num_programs // num_kv_heads
+    if per_head % locals_:
+        raise ValueError(
+            f"schedule_config.locals={locals_}: expected a divisor of the programs per kv head "
+            f"({per_head})"
+        )
+    grid = num_programs // locals_
+    warps = config.warps or schedule_warps(block_b=block_b, num_programs=grid, sm_count=sm_count)
+    window = 0 if batch <= min(block_b, config.whole) else config.window
+    return ScheduleLaunch(block_b=block_b, window=window, locals=locals_, warps=warps, grid=grid)
+
+
 def schedule_locals(
     *, batch: int, block_b: int, num_programs: int, num_kv_heads: int, sm_count: int
 ) -> int:
