@@ -37,37 +37,7 @@ GEOMETRY = testing.Geometry(
 
 
 def _case(lens, geometry=GEOMETRY, seed=0):
-    """A valid case with these lengths (unowned pages and table columns NaN)."""
-    g = geometry
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    cache = pagedattn.build_paged_cache(
-        lens,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        page_size=g.page_size,
-        kv_dtype=g.kv_dtype,
-        kv_layout=g.kv_layout,
-        kv_scale=g.kv_scale,
-        device=DEVICE,
-        generator=gen,
-        extra_pages=1,
-    )
-    q = torch.randn(
-        len(lens) * g.query_len, g.num_kv_heads * g.group, g.head_dim, generator=gen, device=DEVICE
-    )
-    return testing.Case(
-        geometry=g,
-        lens=list(lens),
-        plan_lens=list(lens),
-        block_table=cache.block_table,
-        num_pages=cache.k_cache.shape[0],
-        q=q.to(g.q_dtype),
-        k_cache=cache.k_cache,
-        v_cache=cache.v_cache,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        sliding_window=None,
-    )
+    return testing.make_case(geometry, lens, DEVICE, seed=seed)
 
 
 def test_padding_slots_give_zero_rows_and_read_no_kv():
@@ -212,9 +182,13 @@ def test_numpy_scalars_are_accepted():
     assert isinstance(plan.head_dim, int) and type(plan.num_programs) is int
 
 
+def _python_without_interpreter_setting(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
 @pytest.mark.skipif(ON_GPU, reason="checks the choice made on a machine without a GPU")
 def test_cpu_machine_selects_the_interpreter_itself():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
         "import os, torch, pagedattn; "
         "print(os.environ['TRITON_INTERPRET']); "
@@ -222,7 +196,7 @@ def test_cpu_machine_selects_the_interpreter_itself():
         "num_kv_heads=1, head_dim=64, page_size=16, num_programs=1); "
         "print(p.work_items())"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    done = _python_without_interpreter_setting(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "1"
     assert "WorkItem(program=0, seq=0" in done.stdout
@@ -230,13 +204,12 @@ def test_cpu_machine_selects_the_interpreter_itself():
 
 @pytest.mark.skipif(ON_GPU, reason="checks the message on a machine without a GPU")
 def test_cpu_tensors_without_the_interpreter_say_how_to_run():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
         "import triton, torch, pagedattn; "
         "pagedattn.plan_decode(torch.tensor([5], dtype=torch.int32), num_q_heads=1, "
         "num_kv_heads=1, head_dim=64, page_size=16)"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    done = _python_without_interpreter_setting(code)
     assert done.returncode != 0
     assert "seq_lens: expected a CUDA tensor, got one on cpu; CPU tensors run only through " in (
         done.stderr

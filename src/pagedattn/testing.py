@@ -150,8 +150,30 @@ def random_case(
         0 if rng.random() < 1 / 6 else rng.randint(g.query_len, max(g.query_len, max_len))
         for _ in range(batch)
     ]
-    gen = torch.Generator(device=device).manual_seed(rng.getrandbits(31))
     needed = max((math.ceil(n / g.page_size) for n in lens), default=0)
+    return make_case(
+        g,
+        lens,
+        device,
+        seed=rng.getrandbits(31),
+        max_pages_per_seq=max(1, needed + rng.randint(0, 2)),
+        sliding_window=rng.randint(1, 2 * max_len) if g.window else None,
+    )
+
+
+def make_case(
+    geometry: Geometry,
+    lens: list[int],
+    device: torch.device,
+    *,
+    seed: int = 0,
+    max_pages_per_seq: int | None = None,
+    sliding_window: int | None = None,
+) -> Case:
+    """A valid step of these lengths: a random cache whose unowned pages are NaN (the padding
+    slots' rows and unused table columns point at one), and a random query."""
+    g = geometry
+    gen = torch.Generator(device=device).manual_seed(seed)
     cache = build_paged_cache(
         lens,
         num_kv_heads=g.num_kv_heads,
@@ -162,15 +184,15 @@ def random_case(
         kv_scale=g.kv_scale,
         device=device,
         generator=gen,
-        extra_pages=1,  # NaN: the padding slots' rows and unused columns point at it
-        max_pages_per_seq=max(1, needed + rng.randint(0, 2)),
+        extra_pages=1,
+        max_pages_per_seq=max_pages_per_seq,
     )
     q = torch.randn(
-        batch * g.query_len, g.num_kv_heads * g.group, g.head_dim, generator=gen, device=device
+        len(lens) * g.query_len, g.num_kv_heads * g.group, g.head_dim, generator=gen, device=device
     ).to(g.q_dtype)
     return Case(
         geometry=g,
-        lens=lens,
+        lens=list(lens),
         plan_lens=list(lens),
         block_table=cache.block_table,
         num_pages=cache.k_cache.shape[0],
@@ -179,7 +201,7 @@ def random_case(
         v_cache=cache.v_cache,
         k_scale=cache.k_scale,
         v_scale=cache.v_scale,
-        sliding_window=rng.randint(1, 2 * max_len) if g.window else None,
+        sliding_window=sliding_window,
     )
 
 
