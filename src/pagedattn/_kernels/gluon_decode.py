@@ -1,0 +1,796 @@
+"""Persistent paged decode kernel for Hopper (sm_90a) in Triton's Gluon dialect.
+
+The same work list, robustness checks and outputs as the portable kernel (``decode.py``);
+this first version covers FP8 e4m3 KV with per-tensor or per-token scales, a bf16 query,
+query_len 1, 1..16 query heads per kv head, head_dim 128, and pages holding whole 128-token
+tiles (page_size a multiple of 128, partitions of at least 128 tokens), NHD or HND.
+
+One warpgroup per program, one function per role, joined by mbarriers:
+
+- load (``_issue_tile``): a tile's K and V, each one bulk tensor copy of 128 tokens x 128
+  dims out of one page, into ``STAGES`` shared-memory slots; the copy of tile ``i + STAGES``
+  is issued as soon as tile ``i`` frees its slot.
+- scores (``_scores``): S^T = K Q^T on FP8 wgmma, the keys as stored and the query as two
+  e4m3 terms (hi + lo) per row, the V chunk conversion overlapping the MMA.
+- softmax (``_softmax``): online softmax in log2 units over the tile's tokens (axis 0 of
+  S^T), row sums kept per thread and reduced once per work.
+- values (``_values``): V converted to fp16 through shared memory ``HALF`` tokens at a
+  time, O^T = V^T P^T on fp16 wgmma.
+- epilogue (``_epilogue``): fault bits, then ``out`` rows and LSE (natural log) or the
+  work's partial slot (float32 rows, LSE in log2 units) for the shared reducer.
+
+Rows of S^T's N dimension are the kv head's query heads, padded to ``R`` (8 or 16).
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .records import (
+    FAULT_CAPACITY,
+    FAULT_PAGE_ID,
+    FAULT_STALE_PLAN,
+    WORK_FIELDS,
+    WORK_KV_HEAD,
+    WORK_PARTIAL_SLOT,
+    WORK_SEQ,
+    WORK_TOKEN_END,
+    WORK_TOKEN_START,
+)
+
+BLOCK_N = 128  # tokens per tile
+HEAD_DIM = 128
+MAX_GROUP = 16
+# Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
+SCALE_TENSOR, SCALE_TOKEN = 1, 2
+# Defaults measured with the q_len-1 loop of benchmarks/gluon_q1_loop.py on the H200: one
+# stage, V converted 32 tokens at a time, four programs per SM (48 KB of shared memory each).
+DEFAULT_STAGES = 1
+DEFAULT_HALF = 32
+NUM_WARPS = 4
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+def rows_for_group(group: int) -> int:
+    """Query rows of the MMAs' N dimension for ``group`` query heads per kv head."""
+    return 8 if group <= 8 else 16
+
+
+@gluon.jit
+def _round_4_bits(x):
+    # Rounded to 4 significant bits on the bits (ties away from zero), as decode.py does.
+    b = x.to(gl.int32, bitcast=True)
+    return ((b + 0x80000) & -0x100000).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _issue_tile(
+    k_desc,
+    v_desc,
+    k_s,
+    v_s,
+    kbar,
+    vbar,
+    slot,
+    bt_row,
+    stride_bt_col,
+    num_pages,
+    start,
+    kv_head,
+    page_fault,
+    pred,
+    PAGE_SIZE: gl.constexpr,
+):
+    """Load role: K and V of the tile at token ``start`` into ``slot`` when ``pred``. A page id
+    outside [0, num_pages) is read as page 0 and flagged."""
+    page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col, mask=pred, other=0)
+    bad = (page < 0) | (page >= num_pages)
+    page = gl.where(bad, 0, page)
+    page_fault = page_fault | (bad & pred)
+    in_page = start % PAGE_SIZE
+    mbarrier.expect(kbar.index(slot), k_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(
+        k_desc, [page, in_page, kv_head, 0], kbar.index(slot), k_s.index(slot), pred=pred
+    )
+    mbarrier.expect(vbar.index(slot), v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(
+        v_desc, [page, in_page, kv_head, 0], vbar.index(slot), v_s.index(slot), pred=pred
+    )
+    return page_fault
+
+
+@gluon.jit
+def _load_query(
+    q_ptr,
+    stride_q_tok,
+    stride_q_head,
+    seq,
+    kv_head,
+    qhi_s,
+    qlo_s,
+    GROUP: gl.constexpr,
+    R: gl.constexpr,
+    D: gl.constexpr,
+    blk: gl.constexpr,
+):
+    """The kv head's query rows as hi + lo e4m3 terms in shared memory, each row scaled by a
+    power of two (largest value in [128, 256)); returns the row scales."""
+    rq = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    row = q_ptr + seq.to(gl.int64) * stride_q_tok + (kv_head * GROUP + rq) * stride_q_head
+    q = gl.load(row[:, None] + dq[None, :], mask=(rq < GROUP)[:, None], other=0.0)
+    x = q.to(gl.float32)
+    amax = gl.max(gl.abs(x), axis=1)
+    bits = gl.maximum(amax, 1e-30).to(gl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + 1 - 8
+    scale = ((e + 127) << 23).to(gl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(gl.float32, bitcast=True)
+    x = x * inv[:, None]
+    hi = _round_4_bits(x)
+    lo = x - hi
+    # The previous work's MMAs are done in every warp before the buffers are overwritten.
+    gl.thread_barrier()
+    qhi_s.store(hi.to(gl.float8e4nv))
+    qlo_s.store(lo.to(gl.float8e4nv))
+    fence_async_shared()
+    gl.thread_barrier()
+    return scale
+
+
+@gluon.jit
+def _scores(k_tile, qhi_s, qlo_s, BLOCK: gl.constexpr, R: gl.constexpr, s_l: gl.constexpr):
+    """Scores role: S^T = K (Q_hi + Q_lo)^T, issued asynchronously."""
+    s = warpgroup_mma(
+        k_tile,
+        qhi_s.permute((1, 0)),
+        gl.zeros([BLOCK, R], gl.float32, layout=s_l),
+        use_acc=False,
+        is_async=True,
+    )
+    return warpgroup_mma(k_tile, qlo_s.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _convert_v(v_tile, v16_s, h, start, token_end, HALF: gl.constexpr, blk: gl.constexpr):
+    """Chunk ``h`` of the V tile to fp16 in shared memory; in the work's last tile, tokens
+    past its end (whatever their slots hold) become zeros."""
+    v = v_tile.slice(h * HALF, HALF).load(blk).to(gl.float16)
+    if start + (h + 1) * HALF > token_end:
+        tok = start + h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
+        v = gl.where((tok < token_end)[:, None], v, 0.0)
+    v16_s.store(v)
+
+
+@gluon.jit
+def _softmax(
+    s,
+    m_i,
+    l_acc,
+    col_scale,
+    tok,
+    token_end,
+    ks,
+    SCALE_MODE: gl.constexpr,
+):
+    """Softmax role: one tile of S^T through the online softmax (log2 units). Returns the new
+    max, row sums, probabilities and the rescale of the old state."""
+    s = s * col_scale[None, :]
+    if SCALE_MODE == 2:
+        s = s * ks[:, None]
+    # Every tile holds at least one valid token, so m_new is finite.
+    s = gl.where((tok < token_end)[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    l_acc = l_acc * alpha[None, :] + p
+    return m_new, l_acc, p, alpha
+
+
+@gluon.jit
+def _values(
+    o,
+    v_tile,
+    v16_s,
+    p_s,
+    v_desc,
+    v_s,
+    vbar,
+    slot,
+    refill,
+    refill_page,
+    refill_start,
+    kv_head,
+    start,
+    token_end,
+    BLOCK: gl.constexpr,
+    HALF: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    blk: gl.constexpr,
+):
+    """Values role: O^T += V^T P^T, ``HALF`` tokens of V at a time (chunk 0 is already in
+    ``v16_s``); the V slot is refilled once every warp has read it."""
+    for h in gl.static_range(BLOCK // HALF):
+        if h > 0:
+            _convert_v(v_tile, v16_s, h, start, token_end, HALF, blk)
+        if h == BLOCK // HALF - 1:
+            gl.thread_barrier()
+            mbarrier.expect(vbar.index(slot), v_desc.block_type.nbytes, pred=refill)
+            tma.async_copy_global_to_shared(
+                v_desc,
+                [refill_page, refill_start % PAGE_SIZE, kv_head, 0],
+                vbar.index(slot),
+                v_s.index(slot),
+                pred=refill,
+            )
+        fence_async_shared()
+        gl.thread_barrier()
+        o = warpgroup_mma(
+            v16_s.permute((1, 0)), p_s.slice(h * HALF, HALF, dim=1).permute((1, 0)), o
+        )
+    return o
+
+
+@gluon.jit
+def _epilogue(
+    o,
+    m_i,
+    l_acc,
+    v_unit,
+    fault,
+    invalid,
+    page_fault,
+    seq,
+    kv_head,
+    slot,
+    faults_ptr,
+    out_ptr,
+    stride_o_tok,
+    stride_o_head,
+    lse_ptr,
+    stride_lse_tok,
+    partial_out_ptr,
+    partial_lse_ptr,
+    GROUP: gl.constexpr,
+    R: gl.constexpr,
+    D: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    s_l: gl.constexpr,
+    o_l: gl.constexpr,
+    st_l: gl.constexpr,
+):
+    """Epilogue role: faults, then the rows to ``out`` or to the work's partial slot. A row
+    that saw no key (a padding slot) gets zeros and LSE -inf, a faulty work NaN."""
+    fault |= gl.where(page_fault, FAULT_PAGE_ID, 0)
+    if fault != 0:
+        gl.atomic_or(faults_ptr + seq, fault)
+    nan_rows = invalid | page_fault
+    l_i = gl.sum(l_acc, axis=0)
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    lse2 = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+    lse2 = gl.where(nan_rows, float("nan"), lse2)
+    o_scale = gl.where(l_i > 0.0, v_unit / l_safe, 0.0)
+    o_scale = gl.where(nan_rows, float("nan"), o_scale)
+    o = o * gl.convert_layout(o_scale, gl.SliceLayout(0, o_l))[None, :]
+    # Stores with head_dim fastest (16-byte runs), not the accumulator's layout.
+    o = gl.convert_layout(o, st_l)
+    dd = gl.arange(0, D, layout=gl.SliceLayout(1, st_l))
+    rr = gl.arange(0, R, layout=gl.SliceLayout(0, st_l))
+    row_ok = (rr < GROUP)[None, :]
+    rl = gl.arange(0, R, layout=gl.SliceLayout(0, s_l))
+    if slot < 0:
+        heads = kv_head * GROUP + rr
+        o_ptrs = out_ptr + seq.to(gl.int64) * stride_o_tok + heads[None, :] * stride_o_head
+        gl.store(o_ptrs + dd[:, None], o.to(out_ptr.dtype.element_ty), mask=row_ok)
+        if WRITE_LSE:
+            lse_row = lse_ptr + seq.to(gl.int64) * stride_lse_tok + kv_head * GROUP
+            gl.store(lse_row + rl, lse2 * LN2, mask=rl < GROUP)
+    else:
+        base = slot.to(gl.int64) * GROUP
+        p_ptrs = partial_out_ptr + (base + rr[None, :]) * D + dd[:, None]
+        gl.store(p_ptrs, o, mask=row_ok)
+        gl.store(partial_lse_ptr + base + rl, lse2, mask=rl < GROUP)
+
+
+@gluon.jit
+def gluon_decode_kernel(
+    q_ptr,  # [batch, num_q_heads, head_dim] bf16 (query_len 1), unit stride on head_dim
+    stride_q_tok,
+    stride_q_head,
+    k_desc,  # bulk-copy descriptors over [num_pages, page_size, num_kv_heads, head_dim]
+    v_desc,
+    k_scale_ptr,  # float32: [1] per tensor, or per token with the strides below
+    stride_ks_page,
+    stride_ks_slot,
+    stride_ks_head,
+    v_scale_ptr,
+    stride_vs_page,
+    stride_vs_slot,
+    stride_vs_head,
+    block_table_ptr,  # [batch, max_pages] int32, any values
+    stride_bt,
+    stride_bt_col,
+    num_pages,  # page ids outside [0, num_pages) are faults
+    capacity,  # tokens the block table's columns hold
+    seq_lens_ptr,  # [batch] int32, any values
+    work_indptr_ptr,  # plan.metadata (records.py)
+    works_offset,
+    planned_lens_offset,
+    faults_offset,
+    out_ptr,  # [batch, num_q_heads, head_dim]
+    stride_o_tok,
+    stride_o_head,
+    lse_ptr,  # [batch, num_q_heads] float32, natural log (WRITE_LSE)
+    stride_lse_tok,
+    partial_out_ptr,  # plan.partials: [max_partials, GROUP, HEAD_DIM] float32, then ...
+    lse_offset,  # ... the partial LSEs [max_partials, GROUP] (log2 units)
+    qk_scale,  # sm_scale * log2(e)
+    GROUP: gl.constexpr,
+    R: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    SCALE_MODE: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    STAGES: gl.constexpr,
+    HALF: gl.constexpr,
+):
+    BLOCK: gl.constexpr = 128
+    D: gl.constexpr = 128
+    # -- layouts, declared once --
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 32]
+    )
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16]
+    )
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    st_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, BLOCK], gl.float16)
+    v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], gl.float16)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float8e4nv)
+
+    # -- shared memory: K/V slots as the copies write them ([1, BLOCK, 1, D] boxes) --
+    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], k_desc.layout)
+    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], v_desc.layout)
+    k2 = k_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
+    v2 = v_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
+    v16_s = gl.allocate_shared_memory(gl.float16, [HALF, D], v16_sl)
+    p_s = gl.allocate_shared_memory(gl.float16, [R, BLOCK], p_sl)
+    qhi_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
+    qlo_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
+    kbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(kbar.index(st), count=1)
+        mbarrier.init(vbar.index(st), count=1)
+    fence_async_shared()
+
+    works_ptr = work_indptr_ptr + works_offset
+    planned_lens_ptr = work_indptr_ptr + planned_lens_offset
+    faults_ptr = work_indptr_ptr + faults_offset
+    partial_lse_ptr = partial_out_ptr + lse_offset
+    if SCALE_MODE == 1:
+        k_scale = gl.load(k_scale_ptr)
+        v_scale = gl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    offs_s = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_l))
+
+    pid = gl.program_id(0)
+    work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
+    work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
+    it = 0  # tiles consumed by this program: each slot's barrier phase follows from it
+    for w in range(work_begin, work_end):
+        rec = works_ptr + w * WORK_FIELDS
+        seq = gl.load(rec + WORK_SEQ)
+        kv_head = gl.load(rec + WORK_KV_HEAD)
+        token_start = gl.load(rec + WORK_TOKEN_START)
+        token_end = gl.load(rec + WORK_TOKEN_END)
+        slot = gl.load(rec + WORK_PARTIAL_SLOT)
+        seq_len = gl.load(seq_lens_ptr + seq)
+        planned_len = gl.load(planned_lens_ptr + seq)
+        # -- lengths are not trusted (see decode.py): a faulty work reads no KV --
+        fault = gl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
+        fault |= gl.where(seq_len > capacity, FAULT_CAPACITY, 0)
+        fault |= gl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+        invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
+        token_end = gl.where(invalid, token_start, token_end)
+        n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
+        bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+        page_fault = n_tiles < 0  # False
+
+        # -- the work's first tiles in flight while its query is prepared --
+        for st in gl.static_range(STAGES):
+            page_fault = _issue_tile(
+                k_desc,
+                v_desc,
+                k_s,
+                v_s,
+                kbar,
+                vbar,
+                (it + st) % STAGES,
+                bt_row,
+                stride_bt_col,
+                num_pages,
+                token_start + st * BLOCK,
+                kv_head,
+                page_fault,
+                st < n_tiles,
+                PAGE_SIZE,
+            )
+        q_scale = _load_query(
+            q_ptr,
+            stride_q_tok,
+            stride_q_head,
+            seq,
+            kv_head,
+            qhi_s,
+            qlo_s,
+            GROUP,
+            R,
+            D,
+            blk,
+        )
+        col_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), gl.SliceLayout(0, s_l))
+
+        m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
+        l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
+        o = gl.zeros([D, R], gl.float32, layout=o_l)
+        v_norm = 1.0  # per-token V scales: the accumulator's unit
+        for i in range(n_tiles):
+            g = it + i
+            buf = g % STAGES
+            ph = (g // STAGES) & 1
+            start = token_start + i * BLOCK
+            tok = start + offs_s
+            if SCALE_MODE == 2:
+                # Per-token scales of the tile (0 past the work's end), issued before the
+                # waits; the page id is looked up again (one cached load).
+                page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
+                page = gl.where((page < 0) | (page >= num_pages), 0, page).to(gl.int64)
+                in_page = (start % PAGE_SIZE + offs_s).to(gl.int64)
+                tok_ok = tok < token_end
+                ks = gl.load(
+                    k_scale_ptr
+                    + page * stride_ks_page
+                    + in_page * stride_ks_slot
+                    + kv_head * stride_ks_head,
+                    mask=tok_ok,
+                    other=0.0,
+                )
+                vs = gl.load(
+                    v_scale_ptr
+                    + page * stride_vs_page
+                    + in_page * stride_vs_slot
+                    + kv_head * stride_vs_head,
+                    mask=tok_ok,
+                    other=0.0,
+                )
+            else:
+                ks = col_scale
+                vs = col_scale
+            mbarrier.wait(kbar.index(buf), ph)
+            s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l)
+            # While the tensor cores work: the tile's first V chunk to fp16.
+            mbarrier.wait(vbar.index(buf), ph)
+            _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
+            # The tile that takes this slot next: its page id, looked up now.
+            nxt = i + STAGES
+            refill = nxt < n_tiles
+            nxt_start = token_start + nxt * BLOCK
+            nxt_page = gl.load(
+                bt_row + (nxt_start // PAGE_SIZE) * stride_bt_col, mask=refill, other=0
+            )
+            bad = (nxt_page < 0) | (nxt_page >= num_pages)
+            page_fault = page_fault | (bad & refill)
+            nxt_page = gl.where(bad, 0, nxt_page)
+            s = warpgroup_mma_wait(0, deps=[s])
+            # The K slot is free once the warpgroup's Q K^T is done.
+            mbarrier.expect(kbar.index(buf), k_desc.block_type.nbytes, pred=refill)
+            tma.async_copy_global_to_shared(
+                k_desc,
+                [nxt_page, nxt_start % PAGE_SIZE, kv_head, 0],
+                kbar.index(buf),
+                k_s.index(buf),
+                pred=refill,
+            )
+            m_i, l_acc, p, alpha = _softmax(
+                s, m_i, l_acc, col_scale, tok, token_end, ks, SCALE_MODE
+            )
+            if SCALE_MODE == 2:
+                # P V with P times the tokens' V scales relative to the tile's largest (out of
+                # fp16 subnormals); the accumulator is kept in units of the last tile's.
+                vs_max = gl.max(vs, axis=0)
+                vs_max = gl.where(vs_max > 0.0, vs_max, 1.0)
+                inv_vs_max = 1.0 / vs_max
+                alpha_o = alpha * (v_norm * inv_vs_max)
+                v_norm = vs_max
+                p = p * (vs * inv_vs_max)[:, None]
+            else:
+                alpha_o = alpha
+            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
+            o = o * gl.convert_layout(alpha_o, gl.SliceLayout(0, o_l))[None, :]
+            o = _values(
+                o,
+                v2.index(buf),
+                v16_s,
+                p_s,
+                v_desc,
+                v_s,
+                vbar,
+                buf,
+                refill,
+                nxt_page,
+                nxt_start,
+                kv_head,
+                start,
+                token_end,
+                BLOCK,
+                HALF,
+                PAGE_SIZE,
+                blk,
+            )
+        it += n_tiles
+
+        if SCALE_MODE == 2:
+            v_unit = v_norm
+        else:
+            v_unit = v_scale
+        _epilogue(
+            o,
+            m_i,
+            l_acc,
+            v_unit,
+            fault,
+            invalid,
+            page_fault,
+            seq,
+            kv_head,
+            slot,
+            faults_ptr,
+            out_ptr,
+            stride_o_tok,
+            stride_o_head,
+            lse_ptr,
+            stride_lse_tok,
+            partial_out_ptr,
+            partial_lse_ptr,
+            GROUP,
+            R,
+            D,
+            WRITE_LSE,
+            s_l,
+            o_l,
+            st_l,
+        )
+
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(kbar.index(st))
+        mbarrier.invalidate(vbar.index(st))
+
+
+# -- host side --
+
+
+def kv_block_layout():
+    """Shared-memory layout of one K or V box ([1, BLOCK_N, 1, HEAD_DIM] e4m3)."""
+    return gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, HEAD_DIM], gl.float8e4nv)
+
+
+# Integer arguments that are multiples of 16 in the usual shapes (contiguous q, out and
+# block table, head_dim 128): the launch specialises them as such, and so does the build
+# without a GPU, so both compile the same code.
+_ALIGNED_INTS = ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_lse_tok")
+
+
+def _signature(group: int, page_size: int, scale_mode: int, write_lse: bool, stages, half):
+    """Argument types, constexprs and alignment attributes of one variant, as a launch with
+    contiguous q, out and block table specialises them, for compiling without a GPU."""
+    desc = f"tensordesc<fp8e4nv[1, {BLOCK_N}, 1, {HEAD_DIM}],{kv_block_layout()!r}>"
+    types = {
+        "q_ptr": "*bf16",
+        "k_desc": desc,
+        "v_desc": desc,
+        "k_scale_ptr": "*fp32",
+        "v_scale_ptr": "*fp32",
+        "block_table_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "work_indptr_ptr": "*i32",
+        "out_ptr": "*bf16",
+        "lse_ptr": "*fp32",
+        "partial_out_ptr": "*fp32",
+        "qk_scale": "fp32",
+    }
+    constexprs = {
+        "GROUP": group,
+        "R": rows_for_group(group),
+        "PAGE_SIZE": page_size,
+        "SCALE_MODE": scale_mode,
+        "WRITE_LSE": write_lse,
+        "STAGES": stages,
+        "HALF": half,
+        "stride_bt_col": 1,  # a launch specialises ints equal to 1 as constants
+    }
+    signature, attrs = {}, {}
+    for i, name in enumerate(gluon_decode_kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = types.get(name, "i32")
+        if signature[name].startswith("*") or name in _ALIGNED_INTS:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def compile_sm90a(
+    *,
+    group: int,
+    page_size: int = 1024,
+    scale_mode: int = SCALE_TENSOR,
+    write_lse: bool = False,
+    stages: int = DEFAULT_STAGES,
+    half: int = DEFAULT_HALF,
+):
+    """Compiles one variant for sm_90a without a GPU (Triton's bundled ptxas); returns the
+    compiled kernel (``asm`` holds ``ptx`` and ``cubin``, ``metadata.shared`` the bytes of
+    shared memory)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature, constexprs, attrs = _signature(group, page_size, scale_mode, write_lse, stages, half)
+    source = GluonASTSource(
+        gluon_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs
+    )
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}
+    )
+
+
+def _descriptor(cache, kv_layout, page_size):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..api import _cache_strides
+
+    strides = list(_cache_strides(cache, kv_layout))
+    heads = cache.shape[2 if kv_layout == "NHD" else 1]
+    if cache.shape[0] == 0:
+        # No page to read (every work with tokens is a fault): a stand-in the kernel never
+        # copies from, as a descriptor needs a nonzero shape.
+        cache = torch.zeros(1, page_size, heads, HEAD_DIM, dtype=cache.dtype, device=cache.device)
+        strides = list(cache.stride())
+    if strides[3] != 1 or cache.data_ptr() % 16 or any(s % 16 for s in strides[:3]):
+        raise ValueError(
+            "k_cache/v_cache: expected 16-byte aligned base and page/slot/head strides and a "
+            f"unit head_dim stride for bulk copies, got strides {tuple(cache.stride())}"
+        )
+    return TensorDescriptor(
+        cache,
+        shape=[cache.shape[0], page_size, heads, HEAD_DIM],
+        strides=strides,
+        block_shape=[1, BLOCK_N, 1, HEAD_DIM],
+        layout=kv_block_layout(),
+    )
+
+
+def gluon_paged_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    plan,
+    *,
+    k_scale,
+    v_scale,
+    sm_scale=None,
+    kv_layout="NHD",
+    out=None,
+    lse=None,
+    stages: int = DEFAULT_STAGES,
+    half: int = DEFAULT_HALF,
+):
+    """Decode with the Hopper kernel, then the shared split reducer; the arguments mean what
+    they mean for :func:`pagedattn.paged_decode` (``lse``: a float32
+    ``[batch, num_q_heads]`` tensor to fill, natural log, or None). Returns ``out``.
+
+    Covers FP8 e4m3 KV (per-tensor or per-token scales), a bf16 query, query_len 1, 1..16
+    query heads per kv head, head_dim 128, page_size a multiple of 128 and plans whose
+    partitions are at least 128 tokens; anything else raises ``ValueError``. The kernel
+    takes 176-205 registers a thread (CPU build for sm_90a), so two programs fit on an SM:
+    plans made with ``num_programs`` = 2 x SMs run in one wave."""
+    from .. import checks
+    from ..api import _scale_strides, reduce_partials
+
+    LOG2E = 1.4426950408889634
+    shape = checks.check_decode_args(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        plan=plan,
+        sm_scale=sm_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_layout=kv_layout,
+        sliding_window=None,
+        out=out,
+    )
+    group = shape.num_q_heads // shape.num_kv_heads
+    unsupported = [
+        (shape.kv_dtype != torch.float8_e4m3fn, f"kv dtype float8_e4m3fn, got {shape.kv_dtype}"),
+        (q.dtype != torch.bfloat16, f"a bfloat16 query, got {q.dtype}"),
+        (shape.query_len != 1, f"query_len 1, got {shape.query_len}"),
+        (group > MAX_GROUP, f"at most {MAX_GROUP} query heads per kv head, got {group}"),
+        (shape.head_dim != HEAD_DIM, f"head_dim {HEAD_DIM}, got {shape.head_dim}"),
+        (shape.page_size % BLOCK_N != 0, f"page_size a multiple of {BLOCK_N}"),
+        (
+            plan.min_partition_size < BLOCK_N,
+            f"partitions of at least {BLOCK_N} tokens, got {plan.min_partition_size}",
+        ),
+    ]
+    for bad, expected in unsupported:
+        if bad:
+            raise ValueError(f"gluon_paged_decode: expected {expected}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if lse is not None and (
+        lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:2]) or lse.stride(1) != 1
+    ):
+        raise ValueError(
+            f"lse: expected float32 {tuple(q.shape[:2])} with unit head stride, got "
+            f"{lse.dtype} {tuple(lse.shape)}"
+        )
+    if shape.batch == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
+    if sm_scale is None:
+        sm_scale = shape.head_dim**-0.5
+    scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
+    gluon_decode_kernel[(plan.num_programs,)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        _descriptor(k_cache, kv_layout, shape.page_size),
+        _descriptor(v_cache, kv_layout, shape.page_size),
+        k_scale,
+        *_scale_strides(k_scale, kv_layout),
+        v_scale,
+        *_scale_strides(v_scale, kv_layout),
+        block_table,
+        *block_table.stride(),
+        shape.num_pages,
+        min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
+        seq_lens,
+        plan.metadata,
+        plan.works_offset,
+        plan.planned_lens_offset,
+        plan.faults_offset,
+        out,
+        out.stride(0),
+        out.stride(1),
+        lse if lse is not None else out,  # never written without WRITE_LSE
+        lse.stride(0) if lse is not None else 0,
+        plan.partials,
+        plan.lse_offset,
+        sm_scale * LOG2E,
+        GROUP=group,
+        R=rows_for_group(group),
+        PAGE_SIZE=shape.page_size,
+        SCALE_MODE=scale_mode,
+        WRITE_LSE=lse is not None,
+        STAGES=stages,
+        HALF=half,
+        num_warps=NUM_WARPS,
+    )
+    reduce_partials(plan, out, lse)
+    return out

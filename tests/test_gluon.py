@@ -1,0 +1,306 @@
+"""The Hopper (Gluon) decode kernel: its sm_90a build on any machine, its results on a GPU.
+
+The build check compiles every variant with Triton's bundled ptxas in a child process (the
+interpreter, which this test session selects on a CPU machine, cannot build Gluon) and reads
+the cubin's resource usage with the bundled cuobjdump. NHD and HND compile to the same code
+(the layout is only the runtime strides of the copies' descriptors), so each variant is built
+once. The GPU tests run ``gluon_paged_decode`` against the float64 reference.
+"""
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from conftest import DEVICE, requires_gpu
+
+import pagedattn
+from pagedattn._kernels import records
+from pagedattn.cache import FP8_DTYPE
+from pagedattn.reference import paged_decode_torch, rel_error
+
+GLUON_MISSING = importlib.util.find_spec("triton.experimental.gluon") is None
+WRONG_TRITON = not triton.__version__.startswith("3.6.")
+needs_gluon_build = pytest.mark.skipif(
+    WRONG_TRITON or GLUON_MISSING,
+    reason=(
+        f"the Gluon kernel is written for Triton 3.6 (Gluon's API moves between releases); "
+        f"this is Triton {triton.__version__}"
+        + (", without triton.experimental.gluon" if GLUON_MISSING else "")
+    ),
+)
+
+# H200: 227 KB of shared memory per block at most.
+SHARED_LIMIT = 227 * 1024
+VARIANTS = [
+    dict(group=g, scale_mode=m, write_lse=lse)
+    for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
+]
+
+_BUILD = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from pagedattn._kernels import gluon_decode
+
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+results = []
+for variant in json.loads(sys.argv[1]):
+    kernel = gluon_decode.compile_sm90a(**variant)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-res-usage", path],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    results.append(dict(
+        variant=variant,
+        wgmma="wgmma" in kernel.asm["ptx"],
+        shared=kernel.metadata.shared,
+        **{k.lower(): int(v) for k, v in fields.items()},
+    ))
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def builds():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    src = str(Path(pagedattn.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", _BUILD, json.dumps(VARIANTS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return {json.dumps(r["variant"], sort_keys=True): r for r in json.loads(run.stdout)}
+
+
+@needs_gluon_build
+@pytest.mark.parametrize(
+    "variant", VARIANTS, ids=lambda v: "g{group}-s{scale_mode}-lse{write_lse}".format(**v)
+)
+def test_sm90a_build(builds, variant):
+    r = builds[json.dumps(variant, sort_keys=True)]
+    assert r["wgmma"], "expected warpgroup MMA (wgmma) in the PTX"
+    assert r["stack"] == 0 and r["local"] == 0, f"spills: {r}"
+    assert r["shared"] <= SHARED_LIMIT, f"shared memory {r['shared']} B over {SHARED_LIMIT}"
+    # The resource count fits a 4-warp program (the register file holds 2 such at 255).
+    assert 0 < r["reg"] <= 255, r
+
+
+# -- on a GPU: against the float64 reference --
+
+HEAD_DIM = 128
+NUM_KV_HEADS = 2
+PAGE_SIZE = 256
+TOL = 3e-3  # bf16 output
+
+
+def _decode(
+    lens,
+    *,
+    group=8,
+    kv_layout="NHD",
+    kv_scale="per_tensor",
+    num_programs=None,
+    partition_size=None,
+    gen=None,
+    edit=None,
+):
+    """Builds a cache for ``lens`` (invalid ones as empty sequences), lets ``edit`` spoil it
+    (returns the lengths passed to the kernel and those planned), decodes into poisoned
+    outputs; returns (out, lse, faults, q, cache, seq_lens)."""
+    clean = [max(n, 0) for n in lens]
+    cache = pagedattn.build_paged_cache(
+        clean,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE_SIZE,
+        kv_dtype=FP8_DTYPE,
+        kv_layout=kv_layout,
+        kv_scale=kv_scale,
+        device=DEVICE,
+        generator=gen,
+        extra_pages=1,
+    )
+    seq_lens, plan_lens = list(lens), list(lens)
+    if edit is not None:
+        seq_lens, plan_lens = edit(cache, seq_lens, plan_lens)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    heads = NUM_KV_HEADS * group
+    q = torch.randn(len(lens), heads, HEAD_DIM, generator=gen, device=DEVICE).to(torch.bfloat16)
+    plan = pagedattn.plan_decode(
+        torch.tensor(plan_lens, dtype=torch.int32, device=DEVICE),
+        num_q_heads=heads,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE_SIZE,
+        kv_dtype=FP8_DTYPE,
+        kv_scale=kv_scale,
+        num_programs=num_programs,
+        partition_size=partition_size,
+    )
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
+    from pagedattn._kernels.gluon_decode import gluon_paged_decode
+
+    gluon_paged_decode(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_table,
+        seq_lens_t,
+        plan,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        kv_layout=kv_layout,
+        out=out,
+        lse=lse,
+    )
+    torch.cuda.synchronize()
+    faults = {}
+    for f in plan.faults():
+        faults[f.seq] = faults.get(f.seq, 0) | f.code
+    return out, lse, faults, q, cache, seq_lens
+
+
+def _check(out, lse, q, cache, lens, valid):
+    """Rows of the ``valid`` sequences match the reference; padding rows are zeros."""
+    ref_lens = torch.tensor(
+        [n if b in valid else 0 for b, n in enumerate(lens)], dtype=torch.int32, device=DEVICE
+    )
+    ref, ref_lse = paged_decode_torch(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_table,
+        ref_lens,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        kv_layout=cache.kv_layout,
+        return_lse=True,
+    )
+    rows = [b for b in range(len(lens)) if b in valid and lens[b] > 0]
+    if rows:
+        err = rel_error(out[rows], ref[rows])
+        assert err < TOL, f"relative error {err:.2e} for sequences {rows}"
+        lse_err = (lse[rows].double() - ref_lse[rows].to(DEVICE)).abs().max().item()
+        assert lse_err < 1e-2, f"LSE off by {lse_err:.2e}"
+    for b in valid:
+        if lens[b] == 0:
+            assert bool((out[b] == 0).all()) and bool((lse[b] == float("-inf")).all())
+
+
+@requires_gpu
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_scale", ["per_tensor", "per_token"])
+@pytest.mark.parametrize("group", [1, 8, 16])
+def test_matches_reference(gen, group, kv_scale, kv_layout):
+    lens = [1, 127, 129, 1000, 4097, 0, 256]
+    out, lse, faults, q, cache, _ = _decode(
+        lens, group=group, kv_layout=kv_layout, kv_scale=kv_scale, gen=gen
+    )
+    assert faults == {}
+    _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
+
+
+@requires_gpu
+@pytest.mark.parametrize("num_programs", [2, 6, 16])
+@pytest.mark.parametrize("partition_size", [128, 256, 512])
+def test_split_sequences_through_the_reducer(gen, num_programs, partition_size):
+    lens = [4097, 129, 1000, 0, 1, 3000]
+    out, lse, faults, q, cache, _ = _decode(
+        lens, num_programs=num_programs, partition_size=partition_size, gen=gen
+    )
+    assert faults == {}
+    _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
+
+
+@requires_gpu
+def test_all_padding_slots(gen):
+    lens = [0, 0, 0]
+    out, lse, faults, *_ = _decode(lens, gen=gen)
+    assert faults == {}
+    assert bool((out == 0).all()) and bool((lse == float("-inf")).all())
+
+
+def _negative_length(cache, seq_lens, plan_lens):
+    seq_lens[1] = plan_lens[1] = -5
+    return seq_lens, plan_lens
+
+
+def _beyond_capacity(cache, seq_lens, plan_lens):
+    capacity = cache.block_table.shape[1] * PAGE_SIZE
+    seq_lens[1] = plan_lens[1] = capacity + 1
+    return seq_lens, plan_lens
+
+
+def _stale_plan(cache, seq_lens, plan_lens):
+    plan_lens[1] = seq_lens[1] - 100
+    return seq_lens, plan_lens
+
+
+def _page_id_negative(cache, seq_lens, plan_lens):
+    cache.block_table[1, 0] = -1
+    return seq_lens, plan_lens
+
+
+def _page_id_too_large(cache, seq_lens, plan_lens):
+    last = math.ceil(seq_lens[1] / PAGE_SIZE) - 1
+    cache.block_table[1, last] = cache.k_cache.shape[0]
+    return seq_lens, plan_lens
+
+
+FAULTS = {
+    "negative_length": (_negative_length, records.FAULT_NEGATIVE_LENGTH.value),
+    "beyond_capacity": (_beyond_capacity, records.FAULT_CAPACITY.value),
+    "stale_plan": (_stale_plan, records.FAULT_STALE_PLAN.value),
+    "page_id_negative": (_page_id_negative, records.FAULT_PAGE_ID.value),
+    "page_id_too_large": (_page_id_too_large, records.FAULT_PAGE_ID.value),
+}
+
+
+@requires_gpu
+@pytest.mark.parametrize("num_programs", [None, 4])
+@pytest.mark.parametrize("kind", sorted(FAULTS))
+def test_each_fault_spoils_its_sequence_only(gen, kind, num_programs):
+    edit, code = FAULTS[kind]
+    lens = [1000, 1500, 0, 129]
+    out, lse, faults, q, cache, seq_lens = _decode(
+        lens, edit=edit, num_programs=num_programs, partition_size=256, gen=gen
+    )
+    assert set(faults) == {1} and faults[1] & code, faults
+    assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all())
+    _check(out, lse, q, cache, seq_lens, valid={0, 2, 3})
+
+
+@requires_gpu
+def test_cache_with_no_pages(gen):
+    def empty(cache, seq_lens, plan_lens):
+        cache.k_cache = cache.k_cache[:0]
+        cache.v_cache = cache.v_cache[:0]
+        return seq_lens, plan_lens
+
+    out, lse, faults, *_ = _decode([300, 0], edit=empty, gen=gen)
+    assert faults == {0: records.FAULT_PAGE_ID.value}
+    assert bool(out[0].isnan().all()) and bool(lse[0].isnan().all())
+    assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+
+
+@requires_gpu
+def test_outside_its_scope_it_says_so(gen):
+    with pytest.raises(ValueError, match="partitions of at least 128"):
+        _decode([300], partition_size=64, gen=gen)
