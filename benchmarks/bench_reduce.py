@@ -20,8 +20,8 @@ from benchmarks.cases import Case
 from benchmarks.run import fixed_plan_call
 from benchmarks.timing import time_graph
 from pagedattn.api import reduce_partials
+from pagedattn.launch import ReduceLaunchConfig
 from pagedattn.reference import rel_error
-from pagedattn.tuning.launch import ReduceLaunchConfig
 
 DEFAULT_TILES = (
     "auto,16x16x8x4,16x16x16x4,16x16x32x4,16x32x8x4,16x32x16x4,16x32x16x8,16x64x8x4,"

@@ -19,7 +19,7 @@ import torch
 
 import pagedattn
 from benchmarks.providers import host_time_us
-from pagedattn.tuning.launch import ScheduleLaunchConfig
+from pagedattn.launch import ScheduleLaunchConfig
 
 
 def gpu_us(fn, reps: int = 20, rounds: int = 30) -> float:

@@ -18,12 +18,12 @@ import torch
 import pagedattn
 from benchmarks.ceiling import measure_read_gbps
 from benchmarks.timing import time_graph
-from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.tuning.launch import (
+from pagedattn.launch import (
     DecodeLaunchConfig,
     ReduceLaunchConfig,
     decode_launch_config,
 )
+from pagedattn.reference import paged_decode_torch, rel_error
 
 FP8 = torch.float8_e4m3fn
 GRAPH_CALLS = 8  # calls per captured graph; each shape's KV is far larger than L2

@@ -14,8 +14,8 @@ from conftest import DEVICE, ON_GPU, requires_gpu
 
 import pagedattn
 from pagedattn._kernels.decode import _split_e4m3
+from pagedattn.launch import DecodeLaunchConfig, ReduceLaunchConfig
 from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.tuning.launch import DecodeLaunchConfig, ReduceLaunchConfig
 
 FP8 = torch.float8_e4m3fn
 

@@ -5,7 +5,7 @@ import torch
 from conftest import DEVICE, ON_GPU
 
 import pagedattn
-from pagedattn.tuning.launch import (
+from pagedattn.launch import (
     DecodeLaunchConfig,
     ReduceLaunchConfig,
     decode_launch_config,

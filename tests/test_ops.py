@@ -195,11 +195,12 @@ def test_compile_fullgraph_inductor_matches_eager(gen):
     _compile_matches_eager(gen, "inductor")
 
 
-def test_plan_decode_inside_compile_makes_the_eager_plan(gen):
+def test_plan_decode_inside_compile_new_and_reused_plans(gen):
     cache, q = _step(gen)
 
     def step(seq_lens, q, k_cache, v_cache, block_table, k_scale, v_scale):
         plan = pagedattn.plan_decode(seq_lens, **SIZES)  # a new plan, sizes chosen at trace
+        pagedattn.plan_decode(seq_lens, **SIZES, reuse=plan)  # and refilled
         return pagedattn.paged_decode(
             q,
             k_cache,

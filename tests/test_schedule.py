@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedattn
-from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy, valid_lens
-from pagedattn.tuning.launch import (
+from pagedattn.launch import (
     ScheduleLaunchConfig,
     default_grid_multiplier,
     default_num_programs,
     default_partition,
 )
+from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy, valid_lens
 
 
 def make_plan(
@@ -377,7 +377,7 @@ def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, mo
     """explicit num_programs > table row (nearest bucket) > default multiplier."""
     import pagedattn
     from pagedattn import tuning
-    from pagedattn.tuning.launch import device_name, sm_count
+    from pagedattn.launch import device_name, sm_count
 
     device = torch.empty(0, device=DEVICE).device
     table = tmp_path / "user.csv"

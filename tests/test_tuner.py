@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pagedattn
+from pagedattn.launch import default_grid_multiplier
 from pagedattn.tuning import table as tuning_table
 from pagedattn.tuning import tuner
-from pagedattn.tuning.launch import default_grid_multiplier
 from pagedattn.tuning.table import TuningKey, lookup_grid, read_table
 from pagedattn.tuning.tuner import Shape, choose, main, make_row, tune_shape
 

@@ -20,8 +20,7 @@ from ._kernels.common import CachedLaunch, interpreting, pdl_supported, programs
 from ._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_kernel
 from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_kernel
-from .plan import DecodePlan, allocate_plan
-from .tuning.launch import (
+from .launch import (
     DecodeLaunchConfig,
     ReduceLaunchConfig,
     ScheduleLaunchConfig,
@@ -36,6 +35,7 @@ from .tuning.launch import (
     schedule_launch,
     sm_count,
 )
+from .plan import DecodePlan, allocate_plan
 from .tuning.table import TuningKey, lookup_grid
 
 LOG2E = 1.4426950408889634
@@ -142,7 +142,7 @@ def plan_decode(
         tuning table's; else, with ``max_seq_len``, 256 or, when that shows 256-token
         partitions would leave programs idle (small batches of short sequences), a size in
         64..512 that gives about one partition per program
-        (:func:`pagedattn.tuning.launch.default_partition`); else the scheduler picks 128 or
+        (:func:`pagedattn.launch.default_partition`); else the scheduler picks 128 or
         256 on the GPU each step from the lengths (the plan's ``partition_size`` is then None;
         :func:`pagedattn.plan.auto_partition_size` states the rule).
     reuse : DecodePlan, optional
@@ -155,7 +155,7 @@ def plan_decode(
     schedule_config : ScheduleLaunchConfig, optional
         The scheduler's launch parameters (for tests and benchmarks); default
         ``ScheduleLaunchConfig()``, resolved per step by
-        :func:`pagedattn.tuning.launch.schedule_launch`.
+        :func:`pagedattn.launch.schedule_launch`.
 
     Returns
     -------
@@ -383,8 +383,8 @@ def paged_decode(
     launch_config : DecodeLaunchConfig, optional
         Tile shape and pipelining of the decode kernel, and (its ``reduce`` field) the
         reducer's tile (for tuners); defaults from
-        :func:`pagedattn.tuning.launch.decode_launch_config` and
-        :func:`pagedattn.tuning.launch.reduce_launch_config`.
+        :func:`pagedattn.launch.decode_launch_config` and
+        :func:`pagedattn.launch.reduce_launch_config`.
 
     Returns
     -------
@@ -603,7 +603,7 @@ def reduce_partials(
     """Launches the split reducer alone: merges the partials the decode kernel left in
     ``plan`` into ``out`` (and ``lse``). ``paged_decode`` calls it; benchmarks time it by
     itself; it checks no arguments (``paged_decode`` has). ``config`` None:
-    :func:`pagedattn.tuning.launch.reduce_launch_config`. A plan that can cut no sequence
+    :func:`pagedattn.launch.reduce_launch_config`. A plan that can cut no sequence
     (``max_reduces == 0``) launches nothing."""
     if plan.max_reduces == 0:
         return

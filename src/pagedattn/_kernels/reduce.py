@@ -2,7 +2,7 @@
 
 Grid = (reduce records of the plan, row blocks, head_dim / BLOCK_D): each program merges one
 record's partials over ``BLOCK_R`` query rows and ``BLOCK_D`` columns (the host picks the tile
-so that few records still spread over many programs; ``tuning/launch.py``). Unused records
+so that few records still spread over many programs; ``launch.py``). Unused records
 (``seq == -1``) exit at once, so the grid can be sized from host-known bounds.
 
 Partials are taken ``SLOT_BLOCK`` at a time in slot order (= token order) and merged by a

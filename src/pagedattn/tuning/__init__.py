@@ -1,7 +1,8 @@
-"""Tuned launch parameters: the CSV tuning table and its cached lookup.
+"""The tuning table (CSV, one per device, plus a user file) and its offline tuner.
 
-Only this package knows where the persistent decode grid size comes from; the planner asks
-``lookup_grid`` and the offline tuner writes with ``upsert``. See ``table`` for the format.
+The planner asks ``lookup_grid`` for a shape's grid size; ``pagedattn tune`` times candidates
+in CUDA graphs and writes with ``upsert``. Nothing here is imported by the kernels; the
+launch configs the table feeds live in ``pagedattn.launch``. See ``table`` for the format.
 """
 
 from pagedattn.tuning.table import (

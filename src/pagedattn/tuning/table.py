@@ -865,7 +865,7 @@ def lookup_grid(key: TuningKey) -> tuple[int | None, int | None]:
        the smallest ``|log2(batch_bucket) - log2(b)| + |log2(context_bucket) - log2(c)|``,
        ties going to the larger ``context_bucket``, then to the larger ``batch_bucket``;
     3. else ``DEFAULT_GRID`` = ``(None, None)``: the planner's own grid multiplier
-       (:func:`pagedattn.tuning.launch.default_grid_multiplier`) and partition size.
+       (:func:`pagedattn.launch.default_grid_multiplier`) and partition size.
 
     Each file is read once per process (see ``clear_cache``); a missing file counts as empty.
     A broken file is ignored and rows tuned by another pagedattn major.minor version are

@@ -36,8 +36,8 @@ from typing import Any, Protocol
 import torch
 
 from pagedattn._cli_args import int_list
+from pagedattn.launch import default_grid_multiplier, default_num_programs, sm_count
 from pagedattn.tuning import graphs
-from pagedattn.tuning.launch import default_grid_multiplier, default_num_programs, sm_count
 from pagedattn.tuning.table import (
     COLUMNS,
     bucket,

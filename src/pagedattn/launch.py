@@ -1,8 +1,11 @@
-"""Launch parameters of the decode kernels, and where they come from.
+"""Launch parameters of the kernels (scheduler, decode, reducer) as frozen configs, and the
+defaults they are made from.
 
-Resolution order for the grid: explicit ``num_programs`` > tuning table > default
-(:func:`default_grid_multiplier` programs per SM). Tile shapes come from
-:func:`decode_launch_config`. Figures behind the defaults: ``docs/performance-log.md``.
+Resolution order for the grid: explicit ``num_programs`` > tuning table (``tuning/``) >
+default (:func:`default_grid_multiplier` programs per SM). Tile shapes come from
+:func:`decode_launch_config` and :func:`reduce_launch_config`, the scheduler's from
+:func:`schedule_launch`; each is overridden by an argument of the entry points, never by
+module state. Figures behind the defaults: ``docs/performance-log.md``.
 """
 
 from __future__ import annotations
