@@ -51,7 +51,7 @@ HEAD_DIM = 128
 MAX_GROUP = 16
 # Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
 SCALE_TENSOR, SCALE_TOKEN = 1, 2
-# Defaults measured with the q_len-1 loop of benchmarks/gluon_q1_loop.py on the H200: one
+# Defaults measured with the q_len-1 loop of benchmarks/experiments/gluon_q1_loop.py on the H200: one
 # stage, V converted 32 tokens at a time, four programs per SM (48 KB of shared memory each).
 DEFAULT_STAGES = 1
 DEFAULT_HALF = 32

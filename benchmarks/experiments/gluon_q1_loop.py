@@ -1,7 +1,7 @@
 """Microbenchmark: a q_len-1 FP8 tile loop in Triton's Gluon dialect (docs/performance-log.md,
 "The kernel's instruction floor and the Gluon loop").
 
-    PYTHONPATH=$PWD/src:$PWD python3 benchmarks/gluon_q1_loop.py \
+    PYTHONPATH=$PWD/src:$PWD python3 benchmarks/experiments/gluon_q1_loop.py \
         [per_sm:stages:half:lazy,...] [tiles,...] [page_alias,...]
 
 Not the library's kernel, and not used by it: this Gluon loop is Hopper-specific (wgmma,
