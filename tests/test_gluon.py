@@ -89,6 +89,7 @@ def builds():
 
 
 @needs_gluon_build
+@pytest.mark.xdist_group("gluon_build")  # one worker builds the variants (a module fixture)
 @pytest.mark.parametrize(
     "variant", VARIANTS, ids=lambda v: "g{group}-s{scale_mode}-lse{write_lse}".format(**v)
 )
