@@ -41,9 +41,18 @@ import pagedattn
 # isort: split
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
 
 PROMPTS = ["The paged cache", "Attention is all", "Once upon a time, in a land far away"]
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and float32 scales of ``[..., head_dim]`` rows (largest magnitude to 448):
+    ``pagedattn.quantize_kv(x, "per_token")``'s rule without its finiteness check, which
+    reads the GPU and so cannot be captured in a CUDA graph."""
+    amax = x.float().abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    x8 = (x.float() / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(pagedattn.cache.FP8_DTYPE)
+    return x8, scale
 
 
 class PagedKVCache:
@@ -78,6 +87,7 @@ class PagedKVCache:
         self.plan = None
         self.mode = "prefill"
         self.prefill_seq = 0
+        self.decode_calls = 0
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
 
     def reserve(self, seq: int, new_tokens: int) -> None:
@@ -95,7 +105,7 @@ class PagedKVCache:
                 (self.k[layer], self.k_scale[layer], key),
                 (self.v[layer], self.v_scale[layer], value),
             ):
-                x8, scale = pagedattn.quantize_kv(x.float(), "per_token")
+                x8, scale = quantize_per_token(x)
                 cache[pages, slots] = x8
                 scales[pages, slots] = scale
         else:
@@ -131,6 +141,7 @@ def pagedattn_attention(module, query, key, value, attention_mask, scaling=None,
         cache.write_prefill(layer, key, value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
     cache.write_decode(layer, key, value)
+    cache.decode_calls += 1  # counted while tracing/capturing too: once per layer per call
     batch, heads, _, head_dim = query.shape
     out = pagedattn.paged_decode(
         query[:, :, 0],  # [B, Hq, D]: one query row per sequence
@@ -146,9 +157,9 @@ def pagedattn_attention(module, query, key, value, attention_mask, scaling=None,
     return out.view(batch, 1, heads, head_dim), None
 
 
+# No mask function is registered beside it, so transformers builds no mask: prefill is one
+# unpadded prompt (sdpa's is_causal), and decode is causal by construction.
 AttentionInterface.register("pagedattn", pagedattn_attention)
-# No mask: prefill is one unpadded prompt (sdpa's is_causal), decode is causal by construction.
-AttentionMaskInterface.register("pagedattn", lambda *args, **kwargs: None)
 
 
 def make_model(args, device):
@@ -315,6 +326,7 @@ def generate_paged(model, prompts, new_tokens, head_dim, args):
     faults = cache.plan.faults() if cache.plan is not None else []
     if faults:
         sys.exit(f"pagedattn recorded faults: {faults}")
+    print(f"pagedattn.paged_decode calls (Python side): {cache.decode_calls}")
     return tokens, [torch.stack(x) for x in logits], elapsed
 
 

@@ -26,4 +26,6 @@ def test_generate_tiny_matches_transformers():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tokens match: True" in result.stdout, result.stdout
     assert "kv cache: bf16" in result.stdout
+    # 2 layers x 5 decode steps (the first token comes from the prefill) ran on pagedattn.
+    assert "pagedattn.paged_decode calls (Python side): 10" in result.stdout, result.stdout
     assert "max logit difference:" in result.stdout and "tokens/s" in result.stdout

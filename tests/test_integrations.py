@@ -160,6 +160,14 @@ def test_vllm_bf16_two_dim_out_and_sliding_window(gen):
         k_scale=torch.tensor([3.0]),  # ignored with "auto", as in vLLM
         sliding_window=7,
         out=out,
+        plan=pagedattn.plan_decode(
+            cache.seq_lens,
+            num_q_heads=HEADS,
+            num_kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            page_size=PAGE,
+            num_programs=2,
+        ),
     )
     assert got is out
     ref = _reference(q, cache, sliding_window=7)
