@@ -32,9 +32,8 @@ once, while tracing.
 module is imported: it registers :func:`paged_decode` and :func:`plan_decode` here as what
 ``torch.compile`` traces in their place (``torch.compiler.substitute_in_graph``), so a model
 that calls ``pagedattn.paged_decode`` compiles with ``fullgraph=True``. Eager calls of the
-public functions are untouched. Under ``torch.compile``, ``launch_config`` and ``_trace``
-(tuning and profiling knobs) and any other keyword argument the ops do not take must be
-None.
+public functions are untouched. Under ``torch.compile``, ``launch_config`` (a tuning knob)
+and any other keyword argument the ops do not take must be None.
 """
 
 import warnings
@@ -516,8 +515,8 @@ def paged_decode(
     errors): ``torch.ops.pagedattn.paged_decode_out`` when ``out`` is given, else
     ``torch.ops.pagedattn.paged_decode``. Without ``plan`` it plans first (:func:`plan_decode`
     here, one launch more). ``options``: further keyword arguments of
-    :func:`pagedattn.paged_decode` that are no op arguments (``launch_config``, ``_trace``:
-    tuning and profiling knobs): eager calls with any of them not None go straight to
+    :func:`pagedattn.paged_decode` that are no op arguments (``launch_config``, a tuning
+    knob): eager calls with any of them not None go straight to
     :func:`pagedattn.paged_decode`; compiled ones raise."""
     if any(value is not None for value in options.values()):
         _check_options("paged_decode", options)
