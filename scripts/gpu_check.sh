@@ -6,8 +6,9 @@
 # (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
 # $OUT/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
-# pagedattn alone with the sources in DIR (a checkout's src/ and benchmarks/) and with these,
-# A B A B, compared by scripts/ab_env.py)
+# pagedattn alone with the sources in DIR (a checkout's src/ and benchmarks/, e.g.
+# `mkdir .ab_base && git archive REV src benchmarks | tar -x -C .ab_base`) and with these,
+# rounds A B, B A, ..., compared by scripts/ab_env.py)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check_out}
