@@ -216,3 +216,25 @@ def test_cpu_tensors_without_the_interpreter_say_how_to_run():
         done.stderr
     )
     assert "TRITON_INTERPRET=1" in done.stderr
+
+
+def test_per_token_scales_of_a_one_slot_cache():
+    """One page of one slot and one kv head: the per-token scale has one element, and is
+    still taken as per-token (the plan's scale mode)."""
+    g = testing.Geometry(
+        query_len=1,
+        num_kv_heads=1,
+        group=2,
+        head_dim=64,
+        page_size=1,
+        kv_dtype=FP8_DTYPE,
+        kv_scale="per_token",
+        kv_layout="NHD",
+        q_dtype=torch.bfloat16,
+        window=False,
+        num_programs=1,
+        partition_size=16,
+    )
+    case = _case([0], g)
+    assert case.k_scale.numel() == 1 and case.k_scale.dim() == 3
+    testing.check_case(case)

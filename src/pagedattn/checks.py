@@ -191,10 +191,12 @@ def _scale_mode(name: str, scale, cache: torch.Tensor, kv_layout: str) -> str | 
     _tensor(name, scale, scale.dim(), (torch.float32,))
     if scale.device != cache.device:
         _fail(ValueError, name, f"device {cache.device}", scale.device)
+    # The cache's shape without head_dim first: a cache of one slot has a one-element
+    # per-token scale.
+    if scale.dim() == 3 and tuple(scale.shape) == tuple(cache.shape[:3]):
+        return "per_token"
     if scale.numel() == 1:
         return "per_tensor"
-    if tuple(scale.shape) == tuple(cache.shape[:3]):
-        return "per_token"
     layout_shape = "[num_pages, page_size, num_kv_heads]"
     if kv_layout == "HND":
         layout_shape = "[num_pages, num_kv_heads, page_size]"
