@@ -16,10 +16,10 @@ import argparse
 import torch
 
 import pagedattn
-from benchmarks.cases import Case
-from benchmarks.run import fixed_plan_call
-from benchmarks.timing import time_graph
 from pagedattn.api import reduce_partials
+from pagedattn.bench.cases import Case
+from pagedattn.bench.run import fixed_plan_call
+from pagedattn.bench.timing import time_graph
 from pagedattn.launch import ReduceLaunchConfig
 from pagedattn.reference import rel_error
 

@@ -18,7 +18,7 @@ import statistics
 import torch
 
 import pagedattn
-from benchmarks.providers import host_time_us
+from pagedattn.bench.providers import host_time_us
 from pagedattn.launch import ScheduleLaunchConfig
 
 

@@ -16,8 +16,8 @@ import itertools
 import torch
 
 import pagedattn
-from benchmarks.ceiling import measure_read_gbps
-from benchmarks.timing import time_graph
+from pagedattn.bench.ceiling import measure_read_gbps
+from pagedattn.bench.timing import time_graph
 from pagedattn.launch import (
     DecodeLaunchConfig,
     ReduceLaunchConfig,

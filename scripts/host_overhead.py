@@ -13,8 +13,8 @@ import pstats
 import torch
 
 import pagedattn
-from benchmarks.providers import host_time_us
 from pagedattn import checks
+from pagedattn.bench.providers import host_time_us
 from pagedattn.plan import allocate_plan
 
 FP8 = torch.float8_e4m3fn

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 import pagedattn
-from benchmarks.cases import Case, kv_bytes
-from benchmarks.run import fixed_plan_call
-from benchmarks.timing import time_graph
 from pagedattn._kernels.decode import TRACE_SLOTS, TRACE_WORKS
+from pagedattn.bench.cases import Case, kv_bytes
+from pagedattn.bench.run import fixed_plan_call
+from pagedattn.bench.timing import time_graph
 
 
 def pct(x, qs=(0, 50, 90, 100)):

@@ -8,7 +8,6 @@ benchmark there.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import os
 import subprocess
@@ -20,14 +19,8 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from pagedattn import bench
-
-run = bench.load_benchmarks()
-cases = importlib.import_module(f"{bench.PACKAGE_NAME}.cases")
-providers = importlib.import_module(f"{bench.PACKAGE_NAME}.providers")
-report = importlib.import_module(f"{bench.PACKAGE_NAME}.report")
-timing = importlib.import_module(f"{bench.PACKAGE_NAME}.timing")
-ceiling = importlib.import_module(f"{bench.PACKAGE_NAME}.ceiling")
+from pagedattn.bench import cases, ceiling, providers, report, run, timing
+from pagedattn.bench import cli as bench
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -494,12 +487,3 @@ def test_bad_flag_values_are_usage_errors(capsys):
 def test_run_without_gpu_fails_loudly(capsys):
     assert bench.main(["--preset", "quick", "--no-plots"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_missing_benchmarks_folder_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "site" / "pagedattn" / "bench.py"))
-    monkeypatch.delenv(bench.BENCHMARKS_ENV, raising=False)
-    with pytest.raises(FileNotFoundError, match="benchmarks/ folder was not found"):
-        bench.find_benchmarks_dir()
-    monkeypatch.setenv(bench.BENCHMARKS_ENV, str(Path(run.__file__).parent))
-    assert bench.find_benchmarks_dir() == Path(run.__file__).parent

@@ -190,7 +190,7 @@ def split_q(q):
 
 def measure(cps, stages, half, lazy, tiles, alias, *, sms, ceiling, gen, dev):
     """One configuration: check three programs against float64, time 8 launches per graph."""
-    from benchmarks.timing import time_graph
+    from pagedattn.bench.timing import time_graph
 
     grid = sms * cps
     ntiles = grid * tiles
@@ -249,7 +249,7 @@ def measure(cps, stages, half, lazy, tiles, alias, *, sms, ceiling, gen, dev):
 
 
 def main():
-    from benchmarks.ceiling import measure_read_gbps
+    from pagedattn.bench.ceiling import measure_read_gbps
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -78,9 +78,9 @@ def tune(argv: list[str]) -> int:
 
 
 def bench(argv: list[str]) -> int:
-    from pagedattn import bench as bench_module
+    from pagedattn.bench import cli as bench_cli
 
-    return bench_module.main(argv)
+    return bench_cli.main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,7 @@
 """The sweep: per case, a random paged cache; every provider checked against the float64
 reference; the correct ones timed; results written as CSV, markdown and plots; a summary last.
 
-Entry points: ``pagedattn bench`` / ``python -m pagedattn.bench`` (the command line lives in
-``pagedattn/bench.py``), or ``python -m benchmarks.run`` from the repository root.
+Entry point: ``pagedattn bench`` (the command line lives in ``pagedattn.bench.cli``).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from .ceiling import Ceilings, measure_ceilings
 from .providers import PROVIDERS, REFERENCE, Inputs, KVCopy, Provider, ours, peers
 from .timing import MIN_REPLAYS, rotation_copies, time_steps
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path("benchmarks") / "results"  # under the current folder (a checkout's root)
 # ‖out − ref‖ / ‖ref‖ against the float64 reference on the same (dequantised) cache.
 ERROR_BOUNDS = {"fp8": 2e-2, "bf16": 1e-2, "fp16": 1e-2}
 MAIN = "pagedattn"  # the provider the markdown compares with each peer
@@ -523,13 +522,3 @@ def finish(
 def _custom(args: argparse.Namespace) -> bool:
     dims = (args.batch, args.context, args.query_len, args.kv_dtype, args.page_size, args.kv_scale)
     return any(d is not None for d in dims) or args.ragged
-
-
-def main(argv: list[str] | None = None) -> int:
-    from pagedattn.bench import build_parser
-
-    return run_sweep(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

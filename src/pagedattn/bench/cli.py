@@ -1,26 +1,12 @@
-"""``pagedattn bench``: the side-by-side decode benchmark (pagedattn against its peers).
-
-The sweep lives in the repository's ``benchmarks/`` folder, outside the package; this module
-holds the command line and finds that folder (next to ``src/`` in a source checkout, or where
-``$PAGEDATTN_BENCHMARKS`` points). Needs a CUDA GPU, except ``--list-cases`` and ``--help``.
-"""
+"""The command line of ``pagedattn bench`` (the sweep is ``pagedattn.bench.run``)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import os
 import sys
-from pathlib import Path
-from types import ModuleType
 
 from pagedattn._cli_args import int_list
 
-BENCHMARKS_ENV = "PAGEDATTN_BENCHMARKS"
-# The folder is loaded under this name, so an unrelated top-level ``benchmarks`` package
-# (some wheels ship one) can neither shadow it nor be shadowed.
-PACKAGE_NAME = "pagedattn_benchmarks"
 PRESETS = ("seed", "quick", "full")
 
 
@@ -112,48 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def find_benchmarks_dir() -> Path:
-    """The ``benchmarks/`` folder: ``$PAGEDATTN_BENCHMARKS``, else the source checkout's."""
-    candidates = []
-    if os.environ.get(BENCHMARKS_ENV):
-        candidates.append(Path(os.environ[BENCHMARKS_ENV]))
-    candidates.append(Path(__file__).resolve().parents[2] / "benchmarks")
-    for folder in candidates:
-        if (folder / "run.py").is_file() and (folder / "__init__.py").is_file():
-            return folder
-    raise FileNotFoundError(
-        "pagedattn bench: the benchmarks/ folder was not found (looked in "
-        f"{', '.join(str(c) for c in candidates)}). It ships with the source repository, not "
-        "with the installed package: run from a checkout (pip install -e .), or set "
-        f"{BENCHMARKS_ENV} to the folder."
-    )
-
-
-def load_benchmarks(folder: Path | None = None) -> ModuleType:
-    """Import the benchmarks folder as package ``pagedattn_benchmarks``; returns its ``run``."""
-    if PACKAGE_NAME not in sys.modules:
-        folder = folder or find_benchmarks_dir()
-        spec = importlib.util.spec_from_file_location(
-            PACKAGE_NAME, folder / "__init__.py", submodule_search_locations=[str(folder)]
-        )
-        package = importlib.util.module_from_spec(spec)
-        sys.modules[PACKAGE_NAME] = package
-        try:
-            spec.loader.exec_module(package)
-        except BaseException:
-            del sys.modules[PACKAGE_NAME]
-            raise
-    return importlib.import_module(f"{PACKAGE_NAME}.run")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the sweep; the exit status."""
+    from pagedattn.bench import run  # torch and the kernels: only past --help
+
     args = build_parser().parse_args(argv)
-    try:
-        run = load_benchmarks()
-    except FileNotFoundError as exc:
-        print(exc, file=sys.stderr)
-        return 2
     try:
         return run.run_sweep(args)
     except run.UsageError as exc:  # option values found wrong late (unknown provider, ...)
