@@ -28,3 +28,10 @@ def gen(request):
     g = torch.Generator(device=DEVICE)
     g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     return g
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core through the interpreter; on a GPU, which the workers
+    share (memory, compile cache), at most four."""
+    cores = os.cpu_count() or 1
+    return min(cores, 4) if ON_GPU else cores
