@@ -64,7 +64,8 @@ class WorkItem(NamedTuple):
 
 
 class Fault(NamedTuple):
-    """A sequence the last step could not attend: its output rows and LSE are NaN."""
+    """A sequence the kernels could not attend since the plan was filled (its output rows
+    and LSE are NaN), and why."""
 
     seq: int
     code: int  # one bit of ``pagedattn._kernels.records.FAULT_*``
@@ -197,14 +198,13 @@ class DecodePlan:
         ]
 
     def __repr__(self) -> str:
-        group = self.num_q_heads // self.num_kv_heads
         kv = str(self.kv_dtype).replace("torch.", "")
         if self.kv_scale is not None:
             kv += f" ({self.kv_scale})"
         partition = self.partition_size or "picked per step"
         return (
             f"DecodePlan(batch={self.batch}, query_len={self.query_len}, "
-            f"heads={self.num_q_heads}/{self.num_kv_heads} (group {group}), "
+            f"heads={self.num_q_heads}/{self.num_kv_heads} (group {self.group}), "
             f"head_dim={self.head_dim}, page_size={self.page_size}, kv={kv}, "
             f"num_programs={self.num_programs}, partition_size={partition}, "
             f"max_works={self.max_works}, max_partials={self.max_partials}, "
