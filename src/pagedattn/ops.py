@@ -41,7 +41,7 @@ import warnings
 import torch
 
 from . import api
-from .plan import DecodePlan, plan_sizes
+from .plan import DecodePlan, allocate_plan, plan_sizes
 
 __all__ = ["paged_decode", "plan_decode", "refill_plan"]
 
@@ -212,7 +212,7 @@ def _chosen_sizes(
         partition_size=partition_size,
         max_seq_len=max_seq_len,
     )
-    return (plan.num_programs, plan.partition_size, plan.metadata.numel(), plan.partials.numel())
+    return plan.num_programs, plan.partition_size
 
 
 def plan_decode(
@@ -254,7 +254,7 @@ def plan_decode(
             **options,
         )
     batch, device = seq_lens.shape[0], seq_lens.device
-    chosen_programs, chosen_partition, n_meta, n_partials = _chosen_sizes(
+    chosen_programs, chosen_partition = _chosen_sizes(
         batch,
         device,
         num_q_heads,
@@ -290,24 +290,7 @@ def plan_decode(
                 f"{have} on {reuse.metadata.device}"
             )
         return refill_plan(reuse, seq_lens)
-    max_works, max_partials, max_reduces = plan_sizes(batch, chosen_programs, num_kv_heads)
-    plan = DecodePlan(
-        batch=batch,
-        query_len=query_len,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-        num_programs=chosen_programs,
-        partition_size=chosen_partition,
-        metadata=torch.empty(n_meta, dtype=torch.int32, device=device),
-        partials=torch.empty(n_partials, dtype=torch.float32, device=device),
-        max_works=max_works,
-        max_partials=max_partials,
-        max_reduces=max_reduces,
-    )
+    plan = allocate_plan(**dict(zip(DecodePlan.SIZE_FIELDS, (*want, device))))
     return refill_plan(plan, seq_lens)
 
 
