@@ -1,6 +1,7 @@
 """The robustness contract: padding slots, faults for bad lengths and page ids, stale plans,
 and a fuzzer of random corruptions (``pagedattn.testing``), through the interpreter on CPU."""
 
+import dataclasses
 import os
 import random
 import subprocess
@@ -221,20 +222,7 @@ def test_cpu_tensors_without_the_interpreter_say_how_to_run():
 def test_per_token_scales_of_a_one_slot_cache():
     """One page of one slot and one kv head: the per-token scale has one element, and is
     still taken as per-token (the plan's scale mode)."""
-    g = testing.Geometry(
-        query_len=1,
-        num_kv_heads=1,
-        group=2,
-        head_dim=64,
-        page_size=1,
-        kv_dtype=FP8_DTYPE,
-        kv_scale="per_token",
-        kv_layout="NHD",
-        q_dtype=torch.bfloat16,
-        window=False,
-        num_programs=1,
-        partition_size=16,
-    )
+    g = dataclasses.replace(GEOMETRY, query_len=1, num_kv_heads=1, page_size=1, num_programs=1)
     case = _case([0], g)
     assert case.k_scale.numel() == 1 and case.k_scale.dim() == 3
     testing.check_case(case)
