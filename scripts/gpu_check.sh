@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything on the GPU machine in ONE call: tests at realistic sizes, compute-sanitizer on a
+# Everything on a GPU machine in one run: tests at realistic sizes, compute-sanitizer on a
 # small decode, scheduler timing, the offline tuner, the side-by-side benchmark; a short
 # summary printed last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
 #   bash scripts/gpu_check.sh [tests|fuzz|tune|bench|all|profile|ab|ab_src] [args...]
@@ -16,7 +16,7 @@ LOGS=/tmp/gpu_logs
 mkdir -p "$OUT" "$LOGS"
 MODE=${1:-all}
 shift || true
-if ls .whl/*.whl >/dev/null 2>&1; then  # peers (FlashInfer) carried as wheels
+if ls .whl/*.whl >/dev/null 2>&1; then  # peers (FlashInfer) installed from wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
