@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything on a GPU machine in one run: tests at realistic sizes, compute-sanitizer on a
-# small decode, scheduler timing, the offline tuner, the side-by-side benchmark; a short
-# summary printed last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
+# small decode, the fuzzer (valid and corrupted steps, also under compute-sanitizer),
+# scheduler timing, the offline tuner, the side-by-side benchmark; a short summary printed
+# last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
 #   bash scripts/gpu_check.sh [tests|fuzz|tune|bench|all|profile|ab|ab_src] [args...]
 # (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
