@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Everything on a GPU machine in one run: tests at realistic sizes, compute-sanitizer on a
+# Everything on a GPU machine in one run: the Hopper family's tests and sweep, the example
+# model's decode loop, tests at realistic sizes, compute-sanitizer on a
 # small decode, the fuzzer (valid and corrupted steps, also under compute-sanitizer),
 # scheduler timing, the offline tuner, the side-by-side benchmark; a short summary printed
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
-#   bash scripts/gpu_check.sh [tests|fuzz|tune|bench|all|profile|ab|ab_src] [args...]
+#   bash scripts/gpu_check.sh [gluon|example|tests|fuzz|tune|bench|all|profile|ab|ab_src] [args]
 # (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
 # $OUT/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
@@ -27,6 +28,26 @@ summary=()
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+if [[ $MODE == gluon || $MODE == all ]]; then
+  # The Hopper family first: its own tests, then its sweep against the portable family.
+  python3 -m pytest -q -p no:cacheprovider -x tests/test_gluon.py >"$LOGS/gluon_tests.log" 2>&1
+  summary+=("gluon tests: $(tail -1 "$LOGS/gluon_tests.log")")
+  grep -E "^(FAILED|ERROR)|Error|error:" "$LOGS/gluon_tests.log" | head -20
+  cp "$LOGS/gluon_tests.log" "$OUT"/
+  timeout "${SWEEP_SECONDS:-240}" python3 benchmarks/sweep_gluon.py ${GLUON_SWEEP_ARGS:-} \
+    >"$OUT/sweep_gluon.txt" 2>&1
+  summary+=("gluon sweep rc $?: $OUT/sweep_gluon.txt")
+  grep -E "^\|" "$OUT/sweep_gluon.txt" | tail -30
+fi
+
+if [[ $MODE == example || $MODE == all ]]; then
+  # A model's decode loop on pagedattn, both caches (tokens/s against transformers' attention).
+  for kv in bf16 fp8; do
+    timeout 300 python3 examples/generate.py --kv-cache $kv >"$OUT/generate_$kv.txt" 2>&1
+    summary+=("generate $kv rc $?: $(tail -3 "$OUT/generate_$kv.txt" | tr '\n' ' ')")
+  done
+fi
 
 if [[ $MODE == tests || $MODE == all ]]; then
   # Compilation dominates: several workers share the GPU (pytest-xdist, where installed).

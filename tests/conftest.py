@@ -30,6 +30,18 @@ def gen(request):
     return g
 
 
+@pytest.fixture(params=["triton", "auto"] if ON_GPU else ["auto"])
+def each_backend(request):
+    """Runs a test once per kernel family: on a GPU with the portable family, then with the
+    default choice (the Hopper family where it covers the call); through the interpreter
+    once (only the portable family runs there). A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("each_backend")``."""
+    from pagedattn.api import using_backend
+
+    with using_backend(request.param):
+        yield request.param
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per core through the interpreter; on a GPU, which the workers
     share (memory, compile cache), at most four."""

@@ -164,15 +164,22 @@ def test_registry_names_and_roles():
         "pagedattn",
         "pagedattn-decode",
         "pagedattn-tuned",
+        "pagedattn-triton",
         "flashinfer",
+        "xqa",
         "torch-reference",
     ]
     for name, provider in providers.PROVIDERS.items():
         assert provider.name == name
         ok, why = provider.available()
         assert isinstance(ok, bool) and isinstance(why, str)
-    assert providers.peers() == ["flashinfer"]
-    assert providers.ours() == ["pagedattn", "pagedattn-decode", "pagedattn-tuned"]
+    assert providers.peers() == ["flashinfer", "xqa"]
+    assert providers.ours() == [
+        "pagedattn",
+        "pagedattn-decode",
+        "pagedattn-tuned",
+        "pagedattn-triton",
+    ]
     assert not providers.PROVIDERS["torch-reference"].timed
 
 
@@ -198,7 +205,9 @@ def test_unknown_provider_is_a_usage_error():
         "pagedattn",
         "pagedattn-decode",
         "pagedattn-tuned",
+        "pagedattn-triton",
         "flashinfer",
+        "xqa",
     ]
     assert run.resolve_providers("flashinfer, pagedattn") == ["pagedattn", "flashinfer"]
 
@@ -487,3 +496,14 @@ def test_bad_flag_values_are_usage_errors(capsys):
 def test_run_without_gpu_fails_loudly(capsys):
     assert bench.main(["--preset", "quick", "--no-plots"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_xqa_takes_what_its_hopper_kernel_takes():
+    xqa = providers.PROVIDERS["xqa"]
+    assert xqa.supports(cases.Case(batch=2, context=1024))[0]  # page 1024: as 8 pages of 128
+    assert xqa.supports(cases.Case(batch=2, context=1024, page_size=16))[0]
+    assert not xqa.supports(cases.Case(batch=2, context=1024, kv_scale="per_token"))[0]
+    assert not xqa.supports(cases.Case(batch=2, context=1024, kv_dtype="bf16", kv_scale=None))[0]
+    assert not xqa.supports(cases.Case(batch=2, context=1024, page_size=8))[0]
+    # Its FP8 query and probabilities: a looser bound than the run's, for FP8 only.
+    assert xqa.error_bounds["fp8"] > run.ERROR_BOUNDS["fp8"]

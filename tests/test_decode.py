@@ -17,6 +17,8 @@ from pagedattn._kernels.decode import _split_e4m3
 from pagedattn.launch import DecodeLaunchConfig, ReduceLaunchConfig
 from pagedattn.reference import paged_decode_torch, rel_error
 
+pytestmark = pytest.mark.usefixtures("each_backend")  # each kernel family
+
 FP8 = torch.float8_e4m3fn
 
 

@@ -305,3 +305,150 @@ def test_cache_with_no_pages(gen):
 def test_outside_its_scope_it_says_so(gen):
     with pytest.raises(ValueError, match="partitions of at least 128"):
         _decode([300], partition_size=64, gen=gen)
+
+
+# -- the family behind paged_decode --
+
+
+def _small_call(head_dim=HEAD_DIM, page_size=PAGE_SIZE, gen=None):
+    lens = [300, 1, 0, 700]
+    cache = pagedattn.build_paged_cache(
+        lens,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        page_size=page_size,
+        kv_dtype=FP8_DTYPE,
+        kv_scale="per_tensor",
+        device=DEVICE,
+        generator=gen,
+    )
+    q = torch.randn(len(lens), NUM_KV_HEADS * 8, head_dim, generator=gen, device=DEVICE)
+    args = (q.to(torch.bfloat16), cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    return args, dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+
+def test_unknown_backend_is_refused(gen):
+    args, kw = _small_call(head_dim=64, page_size=16, gen=gen)
+    with pytest.raises(ValueError, match="backend: expected one of 'auto', 'triton', 'gluon'"):
+        pagedattn.paged_decode(*args, **kw, backend="cuda")
+    with (
+        pytest.raises(ValueError, match="backend: expected one of"),
+        pagedattn.api.using_backend("fastest"),
+    ):
+        pass
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the message for a machine without sm_90")
+def test_gluon_backend_needs_the_gpu(gen):
+    args, kw = _small_call(head_dim=64, page_size=16, gen=gen)
+    with pytest.raises(ValueError, match="Hopper family expects a CUDA device"):
+        pagedattn.paged_decode(*args, **kw, backend="gluon")
+    # "auto" takes the portable family here, and so does the default.
+    out = pagedattn.paged_decode(*args, **kw, backend="auto")
+    assert torch.equal(out, pagedattn.paged_decode(*args, **kw, backend="triton"))
+
+
+@requires_gpu
+def test_uncovered_cases_fall_back_or_say_why(gen):
+    args, kw = _small_call(head_dim=64, page_size=16, gen=gen)
+    with pytest.raises(ValueError, match="Hopper family expects head_dim 128"):
+        pagedattn.paged_decode(*args, **kw, backend="gluon")
+    out = pagedattn.paged_decode(*args, **kw)  # auto: the portable family
+    assert torch.equal(out, pagedattn.paged_decode(*args, **kw, backend="triton"))
+    args, kw = _small_call(gen=gen)
+    with pytest.raises(ValueError, match="Hopper family expects no sliding window"):
+        pagedattn.paged_decode(*args, **kw, backend="gluon", sliding_window=64)
+
+
+def _is_hopper():
+    return DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) == (9, 0)
+
+
+@requires_gpu
+@pytest.mark.skipif(not _is_hopper(), reason="the Hopper family runs on sm_90")
+def test_auto_takes_the_hopper_family_where_it_covers(gen):
+    args, kw = _small_call(gen=gen)
+    gluon = pagedattn.paged_decode(*args, **kw, backend="gluon")
+    triton_out = pagedattn.paged_decode(*args, **kw, backend="triton")
+    auto = pagedattn.paged_decode(*args, **kw)
+    assert torch.equal(auto, gluon)
+    ref = paged_decode_torch(*args, **kw)
+    assert rel_error(gluon, ref) < TOL and rel_error(triton_out, ref) < TOL
+    with pagedattn.api.using_backend("triton"):
+        assert torch.equal(pagedattn.paged_decode(*args, **kw), triton_out)
+
+
+@requires_gpu
+@pytest.mark.skipif(not _is_hopper(), reason="the Hopper family runs on sm_90")
+def test_bitwise_deterministic_over_20_runs(gen):
+    args, kw = _small_call(gen=gen)
+    # Few programs and short partitions: the long sequences are split and merged.
+    plan = pagedattn.plan_decode(
+        args[4],
+        num_q_heads=args[0].shape[1],
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE_SIZE,
+        kv_dtype=FP8_DTYPE,
+        kv_scale="per_tensor",
+        num_programs=4,
+        partition_size=128,
+    )
+    kw.update(plan=plan, backend="gluon", return_lse=True)
+    first = pagedattn.paged_decode(*args, **kw)
+    for _ in range(20):
+        again = pagedattn.paged_decode(*args, **kw)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@requires_gpu
+@pytest.mark.skipif(not _is_hopper(), reason="the Hopper family runs on sm_90")
+@pytest.mark.parametrize("kv_scale", ["per_tensor", "per_token"])
+def test_cuda_graph_replay_with_new_lengths(gen, kv_scale):
+    max_lens = [2000, 700, 1500]
+    cache = pagedattn.build_paged_cache(
+        max_lens,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE_SIZE,
+        kv_dtype=FP8_DTYPE,
+        kv_scale=kv_scale,
+        device=DEVICE,
+        generator=gen,
+    )
+    heads = NUM_KV_HEADS * 16
+    q = torch.randn(3, heads, HEAD_DIM, generator=gen, device=DEVICE).to(torch.bfloat16)
+    seq_lens = cache.seq_lens.clone()
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    shape = dict(
+        num_q_heads=heads,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE_SIZE,
+        kv_dtype=FP8_DTYPE,
+        kv_scale=kv_scale,
+    )
+    plan = pagedattn.plan_decode(seq_lens, **shape)
+    out = torch.empty_like(q)
+
+    def step():
+        pagedattn.plan_decode(seq_lens, **shape, reuse=plan)
+        pagedattn.paged_decode(
+            q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens,
+            plan=plan, out=out, backend="gluon", **kw,
+        )  # fmt: skip
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([2000, 700, 1500], [1, 0, 1024], [1999, 129, 128]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_decode_torch(q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, **kw)
+        rows = [b for b, n in enumerate(lens) if n > 0]
+        assert rel_error(out[rows], ref[rows]) < TOL, lens
+        assert all(bool((out[b] == 0).all()) for b, n in enumerate(lens) if n == 0)

@@ -10,6 +10,8 @@ from pagedattn.cache import FP8_DTYPE
 from pagedattn.integrations import BatchDecodeWrapper, vllm_paged_decode
 from pagedattn.reference import paged_decode_torch, rel_error
 
+pytestmark = pytest.mark.usefixtures("each_backend")  # each kernel family
+
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 64, 4
 LENS = [5, 0, 23]  # a padding slot in the middle (3 sequences, one query row each)
 

@@ -17,6 +17,8 @@ from pagedattn import testing
 from pagedattn._kernels import records
 from pagedattn.cache import FP8_DTYPE
 
+pytestmark = pytest.mark.usefixtures("each_backend")  # each kernel family
+
 # Cases of the fuzzer: in CI through the interpreter, many more on the GPU by scripts/fuzz.py.
 FUZZ_CASES = int(os.environ.get("PAGEDATTN_FUZZ_CASES", "300"))
 FUZZ_BATCHES = 30

@@ -95,6 +95,91 @@ def tracing(buffer: torch.Tensor):
         _TRACE.reset(token)
 
 
+BACKENDS = ("auto", "triton", "gluon")
+# Inside ``using_backend``: what ``backend="auto"`` means.
+_AUTO_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "pagedattn_backend", default="auto"
+)
+
+
+@contextlib.contextmanager
+def using_backend(backend: str):
+    """Inside this block, :func:`paged_decode` calls with ``backend="auto"`` (the default) take
+    ``backend`` instead: "triton" (the portable family everywhere) or "gluon" (the Hopper
+    family, with its errors for what it does not cover); "auto" restores the default. For
+    engines that pick a family once, and for tests that run every call on each."""
+    _check_backend(backend)
+    token = _AUTO_BACKEND.set(backend)
+    try:
+        yield
+    finally:
+        _AUTO_BACKEND.reset(token)
+
+
+def _check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+        )
+
+
+# Per device: why the Hopper family cannot run there at all, or None.
+_hopper_reasons: dict[torch.device, str | None] = {}
+
+
+def _hopper_reason(device: torch.device) -> str | None:
+    if device not in _hopper_reasons:
+        import triton
+
+        reason = None
+        if device.type != "cuda" or interpreting():
+            reason = "a CUDA device (not the interpreter)"
+        elif (cap := torch.cuda.get_device_capability(device)) != (9, 0):
+            reason = f"an sm_90 GPU, got sm_{cap[0]}{cap[1]}"
+        elif not triton.__version__.startswith("3.6."):
+            # Gluon's API moves between releases; the family is built and tested with 3.6.
+            reason = f"Triton 3.6, got {triton.__version__}"
+        else:
+            try:
+                from ._kernels import gluon_decode  # noqa: F401
+            except ImportError as exc:
+                reason = f"Triton's Gluon dialect ({exc})"
+        _hopper_reasons[device] = reason
+    return _hopper_reasons[device]
+
+
+def _pick_backend(backend, shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window, uses):
+    """The family that runs a checked call: "triton" or "gluon". ``uses``: what else the call
+    asks for that only the portable family has, as (asked, what) pairs."""
+    _check_backend(backend)
+    if backend == "auto":
+        backend = _AUTO_BACKEND.get()
+    if backend == "triton":
+        return "triton"
+    reason = _hopper_reason(q.device)
+    if reason is None:
+        reason = next((f"no {what}" for asked, what in uses if asked), None)
+    if reason is None:
+        from ._kernels import gluon_decode
+
+        reason = gluon_decode.unsupported(
+            shape,
+            q,
+            plan,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            kv_layout=kv_layout,
+            sliding_window=sliding_window,
+        )
+    if reason is None:
+        return "gluon"
+    if backend == "gluon":
+        raise ValueError(
+            f"backend='gluon': the Hopper family expects {reason.removeprefix('expected ')}"
+        )
+    return "triton"
+
+
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
@@ -335,6 +420,7 @@ def paged_decode(
     debug: bool = False,
     exact_qk: bool = False,
     launch_config: DecodeLaunchConfig | None = None,
+    backend: str = "auto",
 ):
     """Paged-attention decode: each sequence's new tokens attend to its paged KV cache.
 
@@ -384,7 +470,15 @@ def paged_decode(
         Tile shape and pipelining of the decode kernel, and (its ``reduce`` field) the
         reducer's tile (for tuners); defaults from
         :func:`pagedattn.launch.decode_launch_config` and
-        :func:`pagedattn.launch.reduce_launch_config`.
+        :func:`pagedattn.launch.reduce_launch_config`. Portable family only.
+    backend : {"auto", "triton", "gluon"}
+        Kernel family. "triton": the portable Triton kernels (any GPU Triton supports, and
+        the interpreter). "gluon": the Hopper family (sm_90, Triton 3.6), which covers FP8
+        e4m3 KV with a bf16 query, query_len 1, up to 16 query heads per kv head, head_dim
+        128, page_size a multiple of 128, plan partitions of at least 128 tokens, no sliding
+        window; it raises ``ValueError`` for anything else. "auto" (default): the Hopper
+        family where it covers the call, else the portable one (see :func:`using_backend`).
+        Both read the same plan and share the reducer.
 
     Returns
     -------
@@ -451,6 +545,21 @@ def paged_decode(
             kv_scale=shape.kv_scale,
         )
     trace = _TRACE.get()
+    family = _pick_backend(
+        backend,
+        shape,
+        q,
+        plan,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        kv_layout=kv_layout,
+        sliding_window=sliding_window,
+        uses=(
+            (trace is not None, "tracing"),
+            (launch_config is not None, "launch_config"),
+            (exact_qk, "exact_qk (its Q K^T runs on FP8 tensor cores)"),
+        ),
+    )
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = None
@@ -461,6 +570,82 @@ def paged_decode(
 
     if sm_scale is None:
         sm_scale = shape.head_dim**-0.5
+    if family == "gluon":
+        from ._kernels import gluon_decode
+
+        gluon_decode.launch(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            plan,
+            shape,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sm_scale=sm_scale,
+            kv_layout=kv_layout,
+            out=out,
+            lse=lse,
+        )
+    else:
+        _portable_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            plan,
+            shape,
+            sm_scale=sm_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            kv_layout=kv_layout,
+            sliding_window=sliding_window,
+            out=out,
+            lse=lse,
+            exact_qk=exact_qk,
+            launch_config=launch_config,
+            trace=trace,
+        )
+    if debug:
+        _raise_faults(plan)
+    return (out, lse) if return_lse else out
+
+
+def _raise_faults(plan: DecodePlan) -> None:
+    faults = plan.faults()
+    if faults:
+        listed = "; ".join(map(str, faults[:8]))
+        more = f" (and {len(faults) - 8} more)" if len(faults) > 8 else ""
+        raise ValueError(
+            f"seq_lens/block_table: {len(faults)} faulty sequence(s), whose rows are NaN: "
+            f"{listed}{more}"
+        )
+
+
+def _portable_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    plan,
+    shape,
+    *,
+    sm_scale,
+    k_scale,
+    v_scale,
+    kv_layout,
+    sliding_window,
+    out,
+    lse,
+    exact_qk,
+    launch_config,
+    trace,
+):
+    """The portable family's decode kernel and the reducer on checked arguments."""
+    return_lse = lse is not None
     group = shape.num_q_heads // shape.num_kv_heads
     rows = shape.query_len * group
     block_m = max(16, next_power_of_2(rows))
@@ -556,16 +741,6 @@ def paged_decode(
     )
     _decode_kernel[(plan.num_programs,)](*args, **constexprs, PDL=pdl, launch_pdl=pdl)
     reduce_partials(plan, out, lse, config.reduce)
-    if debug:
-        faults = plan.faults()
-        if faults:
-            listed = "; ".join(map(str, faults[:8]))
-            more = f" (and {len(faults) - 8} more)" if len(faults) > 8 else ""
-            raise ValueError(
-                f"seq_lens/block_table: {len(faults)} faulty sequence(s), whose rows are NaN: "
-                f"{listed}{more}"
-            )
-    return (out, lse) if return_lse else out
 
 
 # Per decode-kernel specialisation: how many of its programs fit on one SM at once.

@@ -89,7 +89,7 @@ def _menu(*rows) -> tuple[Geometry, ...]:
 BF16, FP16 = torch.bfloat16, torch.float16
 # A fixed set of geometries for compiled runs (each is a few kernel specialisations to compile):
 # the seed workload, vLLM's common shapes, every head_dim, page sizes 1..4096, both layouts,
-# windows, query_len 1..8 up to the largest tile (128 rows).
+# windows, query_len 1..8 up to the largest tile (128 rows), and the Hopper family's cases.
 # (query_len, kv_heads, group, head_dim, page, kv dtype, scale, layout, q dtype, window)
 COMPILED_GEOMETRIES = _menu(
     (1, 1, 16, 128, 1024, FP8_DTYPE, "per_tensor", "NHD", BF16, False),
@@ -102,6 +102,9 @@ COMPILED_GEOMETRIES = _menu(
     (1, 2, 1, 128, 128, BF16, None, "HND", BF16, True),
     (8, 1, 16, 128, 16, FP8_DTYPE, "per_tensor", "NHD", BF16, False),
     (1, 1, 1, 64, 4096, BF16, None, "NHD", BF16, False),
+    # More that the Hopper family covers (FP8, bf16 query, q_len 1, d 128, pages of 128k).
+    (1, 2, 8, 128, 256, FP8_DTYPE, "per_token", "HND", BF16, False),
+    (1, 4, 1, 128, 128, FP8_DTYPE, "per_tensor", "NHD", BF16, False),
 )
 
 

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..api import LOG2E, _cache_strides, _scale_strides, reduce_partials
 from .records import (
     FAULT_CAPACITY,
     FAULT_PAGE_ID,
@@ -657,8 +658,6 @@ def compile_sm90a(
 def _descriptor(cache, kv_layout, page_size):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..api import _cache_strides
-
     strides = list(_cache_strides(cache, kv_layout))
     heads = cache.shape[2 if kv_layout == "NHD" else 1]
     if cache.shape[0] == 0:
@@ -666,11 +665,6 @@ def _descriptor(cache, kv_layout, page_size):
         # copies from, as a descriptor needs a nonzero shape.
         cache = torch.zeros(1, page_size, heads, HEAD_DIM, dtype=cache.dtype, device=cache.device)
         strides = list(cache.stride())
-    if strides[3] != 1 or cache.data_ptr() % 16 or any(s % 16 for s in strides[:3]):
-        raise ValueError(
-            "k_cache/v_cache: expected 16-byte aligned base and page/slot/head strides and a "
-            f"unit head_dim stride for bulk copies, got strides {tuple(cache.stride())}"
-        )
     return TensorDescriptor(
         cache,
         shape=[cache.shape[0], page_size, heads, HEAD_DIM],
@@ -678,6 +672,40 @@ def _descriptor(cache, kv_layout, page_size):
         block_shape=[1, BLOCK_N, 1, HEAD_DIM],
         layout=kv_block_layout(),
     )
+
+
+def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=None):
+    """Why this family does not cover a decode call (checked arguments ``shape``), or None."""
+    group = shape.num_q_heads // shape.num_kv_heads
+    needs = [
+        (shape.kv_dtype == torch.float8_e4m3fn, f"kv dtype float8_e4m3fn, got {shape.kv_dtype}"),
+        (q.dtype == torch.bfloat16, f"a bfloat16 query, got {q.dtype}"),
+        (shape.query_len == 1, f"query_len 1, got {shape.query_len}"),
+        (group <= MAX_GROUP, f"at most {MAX_GROUP} query heads per kv head, got {group}"),
+        (shape.head_dim == HEAD_DIM, f"head_dim {HEAD_DIM}, got {shape.head_dim}"),
+        (shape.page_size % BLOCK_N == 0, f"page_size a multiple of {BLOCK_N}"),
+        (
+            plan.min_partition_size >= BLOCK_N,
+            f"partitions of at least {BLOCK_N} tokens, got {plan.min_partition_size}",
+        ),
+        (sliding_window is None, "no sliding window"),
+    ]
+    for cache in (k_cache, v_cache):
+        if cache.shape[0] > 0:
+            strides = _cache_strides(cache, kv_layout)
+            needs.append(
+                (
+                    strides[3] == 1
+                    and cache.data_ptr() % 16 == 0
+                    and all(s % 16 == 0 for s in strides[:3]),
+                    "16-byte aligned cache base and page/slot/head strides, unit head_dim "
+                    f"stride (bulk copies), got strides {tuple(cache.stride())}",
+                )
+            )
+    for ok, expected in needs:
+        if not ok:
+            return f"expected {expected}"
+    return None
 
 
 def gluon_paged_decode(
@@ -701,15 +729,10 @@ def gluon_paged_decode(
     they mean for :func:`pagedattn.paged_decode` (``lse``: a float32
     ``[batch, num_q_heads]`` tensor to fill, natural log, or None). Returns ``out``.
 
-    Covers FP8 e4m3 KV (per-tensor or per-token scales), a bf16 query, query_len 1, 1..16
-    query heads per kv head, head_dim 128, page_size a multiple of 128 and plans whose
-    partitions are at least 128 tokens; anything else raises ``ValueError``. The kernel
-    takes 176-205 registers a thread (CPU build for sm_90a), so two programs fit on an SM:
-    plans made with ``num_programs`` = 2 x SMs run in one wave."""
+    Covers what :func:`unsupported` accepts; anything else raises ``ValueError``. The kernel
+    takes 176-205 registers a thread (CPU build for sm_90a), so two programs fit on an SM."""
     from .. import checks
-    from ..api import _scale_strides, reduce_partials
 
-    LOG2E = 1.4426950408889634
     shape = checks.check_decode_args(
         q,
         k_cache,
@@ -724,22 +747,9 @@ def gluon_paged_decode(
         sliding_window=None,
         out=out,
     )
-    group = shape.num_q_heads // shape.num_kv_heads
-    unsupported = [
-        (shape.kv_dtype != torch.float8_e4m3fn, f"kv dtype float8_e4m3fn, got {shape.kv_dtype}"),
-        (q.dtype != torch.bfloat16, f"a bfloat16 query, got {q.dtype}"),
-        (shape.query_len != 1, f"query_len 1, got {shape.query_len}"),
-        (group > MAX_GROUP, f"at most {MAX_GROUP} query heads per kv head, got {group}"),
-        (shape.head_dim != HEAD_DIM, f"head_dim {HEAD_DIM}, got {shape.head_dim}"),
-        (shape.page_size % BLOCK_N != 0, f"page_size a multiple of {BLOCK_N}"),
-        (
-            plan.min_partition_size < BLOCK_N,
-            f"partitions of at least {BLOCK_N} tokens, got {plan.min_partition_size}",
-        ),
-    ]
-    for bad, expected in unsupported:
-        if bad:
-            raise ValueError(f"gluon_paged_decode: expected {expected}")
+    reason = unsupported(shape, q, plan, k_cache=k_cache, v_cache=v_cache, kv_layout=kv_layout)
+    if reason:
+        raise ValueError(f"gluon_paged_decode: {reason}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is not None and (
@@ -749,12 +759,53 @@ def gluon_paged_decode(
             f"lse: expected float32 {tuple(q.shape[:2])} with unit head stride, got "
             f"{lse.dtype} {tuple(lse.shape)}"
         )
-    if shape.batch == 0:
-        return out
-    if q.stride(2) != 1:
-        q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
     if sm_scale is None:
         sm_scale = shape.head_dim**-0.5
+    launch(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        plan,
+        shape,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sm_scale=sm_scale,
+        kv_layout=kv_layout,
+        out=out,
+        lse=lse,
+        stages=stages,
+        half=half,
+    )
+    return out
+
+
+def launch(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    plan,
+    shape,
+    *,
+    k_scale,
+    v_scale,
+    sm_scale,
+    kv_layout,
+    out,
+    lse,
+    stages: int = DEFAULT_STAGES,
+    half: int = DEFAULT_HALF,
+    reduce_config=None,
+):
+    """The decode kernel and the shared reducer on checked, covered arguments."""
+    if shape.batch == 0:
+        return
+    group = shape.num_q_heads // shape.num_kv_heads
+    if q.stride(2) != 1:
+        q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
     scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
     gluon_decode_kernel[(plan.num_programs,)](
         q,
@@ -792,5 +843,4 @@ def gluon_paged_decode(
         HALF=half,
         num_warps=NUM_WARPS,
     )
-    reduce_partials(plan, out, lse)
-    return out
+    reduce_partials(plan, out, lse, reduce_config)

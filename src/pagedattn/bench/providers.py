@@ -13,6 +13,13 @@ timed region (``plan_host_us``).
 - ``flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) for query_len 1,
   ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for query_len > 1, both in CUDA-graph mode;
   ``plan()`` (host work plus a sync) runs outside the timed region and is reported apart.
+- ``pagedattn-triton``: the whole step on the portable family (``backend="triton"``), beside
+  ``pagedattn``, which takes the Hopper family where it covers the case.
+- ``xqa``: TensorRT-LLM's XQA decode kernel through FlashInfer
+  (``trtllm_batch_decode_with_kv_cache(..., backend="xqa")``): FP8 KV with one per-tensor
+  scale each, pages of 16..128 tokens; a page-1024 cache is offered as the same bytes at page
+  128 through an expanded block table (NHD). It takes a bf16 query and computes with FP8 query
+  and probabilities, so its error bound is looser (about 3e-2 measured).
 - ``torch-reference``: the float64 truth every output is checked against; never timed.
 """
 
@@ -22,7 +29,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -93,6 +100,9 @@ class Provider:
     name = ""
     is_peer = False  # a peer is what ours is compared with (ratio_vs_<peer> columns)
     timed = True
+    # ‖out − ref‖ / ‖ref‖ beyond which an output is WRONG and not timed, per KV dtype; None:
+    # the run's bounds.
+    error_bounds: dict[str, float] | None = None
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -117,10 +127,11 @@ class PagedAttnProvider(Provider):
 
     is_peer = False
 
-    def __init__(self, name: str, *, with_plan: bool, tuned: bool = False):
+    def __init__(self, name: str, *, with_plan: bool, tuned: bool = False, backend="auto"):
         self.name = name
         self.with_plan = with_plan
         self.tuned = tuned
+        self.backend = backend
 
     def version(self) -> str:
         return pagedattn.__version__
@@ -150,6 +161,7 @@ class PagedAttnProvider(Provider):
                     v_scale=copy.v_scale,
                     kv_layout=inputs.kv_layout,
                     out=out,
+                    backend=self.backend,
                 )
 
             if not self.with_plan:
@@ -285,6 +297,86 @@ class FlashInferProvider(Provider):
         return Prepared(make_step, plan_host_us=plan_host_us, note=kind)
 
 
+class XQAProvider(FlashInferProvider):
+    """XQA through FlashInfer (PEERS: FlashInfer 0.6.6's Hopper FP8 kernel)."""
+
+    name = "xqa"
+    is_peer = True
+    error_bounds: ClassVar[dict[str, float]] = {"fp8": 6e-2}
+    MAX_PAGE = 128
+    WORKSPACE_BYTES = 1 << 30  # semaphores (zeroed once) and split partials
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        if case.kv_dtype != "fp8" or case.kv_scale != "per_tensor":
+            return False, "unsupported: XQA's Hopper kernel takes FP8 KV with per-tensor scales"
+        if case.page_size < 16 or (
+            case.page_size > self.MAX_PAGE and case.page_size % self.MAX_PAGE
+        ):
+            return False, f"unsupported: pages of 16..{self.MAX_PAGE} tokens (or multiples of 128)"
+        return True, ""
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        if self._workspace is None or self._workspace.device != device:
+            self._workspace = None
+            self._workspace = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def prepare(self, inputs: Inputs) -> Prepared:
+        from flashinfer.decode import trtllm_batch_decode_with_kv_cache
+
+        case = inputs.case
+        device = inputs.device
+        if inputs.kv_layout != "NHD":
+            raise ValueError("xqa provider: expected an NHD cache")
+        table, page = inputs.block_table, case.page_size
+        split = max(1, page // self.MAX_PAGE)  # a page of P tokens = P/128 pages of 128 (NHD)
+        if split > 1:
+            sub = torch.arange(split, dtype=torch.int32, device=device)
+            table = (table[:, :, None] * split + sub).reshape(table.shape[0], -1)
+            page = self.MAX_PAGE
+        seq_lens = inputs.seq_lens.view(torch.uint32)
+        max_seq_len = max(case.seq_lens())
+        sm_scale = case.head_dim**-0.5
+        mask = None
+        if case.query_len > 1:
+            # Causal over the new tokens: bit j of row i set when j <= i (uint16 words).
+            rows = torch.arange(case.query_len, device=device)
+            bits = (rows[None, :] <= rows[:, None]).to(torch.int64)  # [i, j]
+            words = torch.zeros(case.query_len, 2, dtype=torch.int64, device=device)
+            for j in range(case.query_len):
+                words[:, j // 16] |= bits[:, j] << (j % 16)
+            mask = words.to(torch.uint16).expand(case.batch, -1, -1).contiguous()
+        workspace = self.workspace(device)
+        out = torch.empty_like(inputs.q)
+
+        def make_step(copy: KVCopy) -> Callable[[], torch.Tensor]:
+            shape = (-1, page, case.num_kv_heads, case.head_dim)
+            kv = (copy.k_cache.view(shape), copy.v_cache.view(shape))
+            # Python floats (an .item() syncs, so here, not in the step).
+            k_scale, v_scale = float(copy.k_scale.item()), float(copy.v_scale.item())
+
+            def step() -> torch.Tensor:
+                return trtllm_batch_decode_with_kv_cache(
+                    inputs.q,
+                    kv,
+                    workspace,
+                    table,
+                    seq_lens,
+                    max_seq_len,
+                    bmm1_scale=k_scale * sm_scale,
+                    bmm2_scale=v_scale,
+                    out=out,
+                    kv_layout="NHD",
+                    backend="xqa",
+                    q_len_per_req=case.query_len,
+                    mask=mask,
+                )
+
+            return step
+
+        return Prepared(make_step, note=f"xqa, page {page}")
+
+
 class ReferenceProvider(Provider):
     """The float64 reference: correctness only, never timed."""
 
@@ -316,7 +408,9 @@ PROVIDERS: dict[str, Provider] = {
         PagedAttnProvider("pagedattn", with_plan=True),
         PagedAttnProvider("pagedattn-decode", with_plan=False),
         PagedAttnProvider("pagedattn-tuned", with_plan=True, tuned=True),
+        PagedAttnProvider("pagedattn-triton", with_plan=True, backend="triton"),
         FlashInferProvider(),
+        XQAProvider(),
         ReferenceProvider(),
     )
 }
