@@ -8,6 +8,7 @@ boolean mask: no code is shared with ``paged_decode_torch`` except the cache bui
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -205,6 +206,119 @@ def test_matches_token_by_token_oracle(name, case):
     assert rel_error(lse, expected_lse) <= RTOL
 
 
+def _oracle_rows(q, cache, rows_of, sm_scale=None, sliding_window=None, sinks=None, cap=None):
+    """Row by row, key by key: the serving features' oracle (a sink logit per query head, a
+    tanh soft cap, ragged query rows ``rows_of[b] = (start, end)``); float64 (out, lse), NaN in
+    rows no sequence owns."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    layout, page_size = cache.kv_layout, cache.page_size
+    num_kv_heads = cache.k_cache.shape[2 if layout == "NHD" else 1]
+    group = num_q_heads // num_kv_heads
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float64)
+    for b, n in enumerate(cache.seq_lens.tolist()):
+        start, end = rows_of[b]
+        keys, values = [], []
+        for t in range(n):
+            page = int(cache.block_table[b, t // page_size])
+            keys.append(_oracle_token(cache.k_cache, cache.k_scale, page, t % page_size, layout))
+            values.append(_oracle_token(cache.v_cache, cache.v_scale, page, t % page_size, layout))
+        for i, row in enumerate(range(start, end)):
+            if n == 0:
+                out[row], lse[row] = 0.0, float("-inf")
+                continue
+            position = n - (end - start) + i
+            first = 0 if sliding_window is None else max(0, position - sliding_window + 1)
+            for h in range(num_q_heads):
+                logits = []
+                for t in range(first, position + 1):
+                    s = float(q[row, h].double() @ keys[t][h // group]) * scale
+                    logits.append(cap * math.tanh(s / cap) if cap is not None else s)
+                extra = [float(sinks[h])] if sinks is not None else []
+                peak = max(logits + extra)
+                total = sum(math.exp(s - peak) for s in logits + extra)
+                acc = sum(
+                    math.exp(s - peak) * values[t][h // group]
+                    for s, t in zip(logits, range(first, position + 1))
+                )
+                out[row, h] = acc / total
+                lse[row, h] = peak + math.log(total)
+    return out, lse
+
+
+FEATURE_CASES = {
+    "sinks_gqa_q2": (Case((9, 30, 0), query_len=2), {"sinks": True}),
+    "sinks_fp8_token_window": (
+        Case((40, 7), sliding_window=5, **FP8_TOKEN),
+        {"sinks": True},
+    ),
+    "soft_cap_fp8_tensor": (Case((25, 12), query_len=3, **FP8_TENSOR), {"cap": 2.0}),
+    "soft_cap_and_sinks_hnd": (
+        Case((17, 33), kv_layout="HND", sm_scale=0.6),
+        {"cap": 5.0, "sinks": True},
+    ),
+    # (start, end) rows per sequence; rows 0 and 9-10 belong to none.
+    "ragged_rows": (
+        Case((12, 1, 20, 0, 8), page_size=4, sliding_window=6),
+        {"rows": [(1, 4), (4, 5), (5, 5), (5, 7), (7, 9)], "num_rows": 11, "sinks": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURE_CASES))
+def test_serving_features_match_row_by_row_oracle(name):
+    case, features = FEATURE_CASES[name]
+    generator = torch.Generator().manual_seed(sum(map(ord, name)))
+    num_rows = features.get("num_rows", len(case.seq_lens) * case.query_len)
+    q, cache = _make_inputs(case, seed=sum(map(ord, name)))
+    q = (2 * torch.randn(num_rows, case.num_q_heads, case.head_dim, generator=generator)).to(BF16)
+    sinks = None
+    if features.get("sinks"):
+        sinks = torch.randn(case.num_q_heads, generator=generator) * 2
+    rows_of = features.get("rows")
+    query_start_loc = None
+    if rows_of is not None:
+        query_start_loc = torch.tensor([r[0] for r in rows_of] + [rows_of[-1][1]])
+    else:
+        rows_of = [
+            (b * case.query_len, (b + 1) * case.query_len) for b in range(len(case.seq_lens))
+        ]
+    out, lse = _run(
+        q,
+        cache,
+        case,
+        sinks=sinks,
+        logits_soft_cap=features.get("cap"),
+        query_start_loc=query_start_loc,
+    )
+    want_out, want_lse = _oracle_rows(
+        q, cache, rows_of, case.sm_scale, case.sliding_window, sinks, features.get("cap")
+    )
+    assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(), want_lse.isnan())
+    owned = ~want_lse[:, 0].isnan()
+    assert rel_error(out[owned], want_out[owned]) <= RTOL
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(lse[~finite & owned[:, None]], want_lse[~finite & owned[:, None]])
+    assert rel_error(lse[finite], want_lse[finite]) <= RTOL
+
+
+def test_soft_cap_bounds_scores_and_sinks_only_shrink_weights():
+    # A large cap changes nothing measurable; a sink of -inf is no sink; a sink scales every
+    # row by sigmoid(lse - sink) and raises the LSE to logaddexp(lse, sink).
+    case = Case((30, 5), query_len=2)
+    q, cache = _make_inputs(case, seed=11)
+    out, lse = _run(q, cache, case)
+    capped, _ = _run(q, cache, case, logits_soft_cap=1e6)
+    assert rel_error(capped, out) < 1e-9
+    none = torch.full((case.num_q_heads,), float("-inf"))
+    assert torch.equal(_run(q, cache, case, sinks=none)[0], out)
+    sinks = torch.randn(case.num_q_heads)
+    out_s, lse_s = _run(q, cache, case, sinks=sinks)
+    assert rel_error(out_s, out * torch.sigmoid(lse - sinks.double())[..., None]) <= RTOL
+    assert rel_error(lse_s, torch.logaddexp(lse, sinks.double())) <= RTOL
+
+
 def test_without_lse_returns_only_out():
     case = NAMED_CASES["causal_q3"]
     q, cache = _make_inputs(case, seed=1)
@@ -333,6 +447,15 @@ def _inputs_for_errors():
         ({"sliding_window": 0}, "sliding_window: expected >= 1"),
         ({"k_scale": torch.ones(2, 2)}, "k_scale: expected one element"),
         ({"v_cache": torch.zeros(3, 16, 2, 16)}, "v_cache: expected the shape"),
+        ({"sinks": torch.zeros(3)}, r"sinks: expected shape \(4,\)"),
+        ({"logits_soft_cap": 0.0}, "logits_soft_cap: expected a finite float > 0"),
+        ({"query_start_loc": torch.tensor([0, 2])}, r"query_start_loc: expected shape \(3,\)"),
+        ({"query_start_loc": torch.tensor([0, 3, 2])}, "expected non-decreasing values"),
+        ({"query_start_loc": torch.tensor([0, 2, 5])}, r"in \[0, 4\]"),
+        (
+            {"query_start_loc": torch.tensor([0, 3, 4]), "seq_lens": torch.tensor([2, 9])},
+            "its query rows \\(3\\)",
+        ),
     ],
 )
 def test_rejects_inconsistent_arguments(change, match):

@@ -7,6 +7,7 @@ length), dequantises them to float64 and runs a masked softmax attention. Nothin
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 
@@ -84,7 +85,9 @@ def _load_tokens(cache, scale, pages, tokens: slice, kv_layout: str) -> torch.Te
     return dequantize_kv(values, scale)
 
 
-def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, kv_layout, window):
+def _validate(
+    q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, kv_layout, window, ragged
+):
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
     for name, tensor, ndim in (
@@ -116,7 +119,9 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, kv_l
             f"({num_kv_heads}, from k_cache with layout {kv_layout})"
         )
     batch = seq_lens.shape[0]
-    if batch == 0:
+    if ragged:
+        pass  # any number of rows: query_start_loc places each sequence's
+    elif batch == 0:
         if q.shape[0] != 0:
             raise ValueError(f"q: expected 0 rows for an empty batch, got {q.shape[0]}")
     elif q.shape[0] == 0 or q.shape[0] % batch != 0:
@@ -142,6 +147,45 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, kv_l
         raise ValueError(f"sliding_window: expected >= 1 or None, got {window}")
 
 
+def _query_rows(query_start_loc, batch: int, num_rows: int) -> list[tuple[int, int]]:
+    """Each sequence's query rows ``(start, end)`` from ``query_start_loc`` (host values)."""
+    if not isinstance(query_start_loc, torch.Tensor):
+        raise TypeError(
+            f"query_start_loc: expected a torch.Tensor or None, got "
+            f"{type(query_start_loc).__name__}"
+        )
+    if query_start_loc.dtype.is_floating_point or query_start_loc.dtype == torch.bool:
+        raise TypeError(f"query_start_loc: expected an integer dtype, got {query_start_loc.dtype}")
+    if tuple(query_start_loc.shape) != (batch + 1,):
+        raise ValueError(
+            f"query_start_loc: expected shape ({batch + 1},) (batch + 1), got "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    starts = [int(x) for x in query_start_loc.tolist()]
+    if starts[0] < 0 or starts[-1] > num_rows or any(a > b for a, b in itertools.pairwise(starts)):
+        raise ValueError(
+            f"query_start_loc: expected non-decreasing values in [0, {num_rows}] (q's rows), "
+            f"got {starts}"
+        )
+    return list(itertools.pairwise(starts))
+
+
+def _check_sinks(sinks, num_q_heads: int) -> None:
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks: expected a torch.Tensor or None, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(
+            f"sinks: expected shape ({num_q_heads},) (one per query head), got {tuple(sinks.shape)}"
+        )
+
+
+def _check_soft_cap(cap) -> None:
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
+        raise TypeError(f"logits_soft_cap: expected a float or None, got {type(cap).__name__}")
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"logits_soft_cap: expected a finite float > 0 or None, got {cap}")
+
+
 def paged_decode_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -154,21 +198,25 @@ def paged_decode_torch(
     v_scale: torch.Tensor | None = None,
     kv_layout: str = "NHD",
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
+    query_start_loc: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged-attention decode in float64: the single source of truth for tests and benchmarks.
 
-    Query token ``i`` of sequence ``b`` sits at position ``p = seq_lens[b] - query_len + i`` and
-    attends keys ``0..p`` (``max(0, p - sliding_window + 1)..p`` with a window). Query head
-    ``h`` uses KV head ``h // (num_q_heads // num_kv_heads)``. Reads only the pages each
-    sequence owns and only tokens below its length, so NaN in unowned slots never enters.
-    Syncs with the host (reads ``seq_lens``); computes on the tensors' own device.
+    Query token ``i`` of sequence ``b`` sits at position ``p = seq_lens[b] - n_b + i`` (``n_b``
+    its number of new tokens: ``query_len``, or its ``query_start_loc`` count) and attends
+    keys ``0..p`` (``max(0, p - sliding_window + 1)..p`` with a window). Query head ``h`` uses
+    KV head ``h // (num_q_heads // num_kv_heads)``. Reads only the pages each sequence owns and
+    only tokens below its length, so NaN in unowned slots never enters. Syncs with the host
+    (reads ``seq_lens`` and ``query_start_loc``); computes on the tensors' own device.
 
     Parameters
     ----------
     q : torch.Tensor
-        ``[batch * query_len, num_q_heads, head_dim]``; bf16, fp16, float32 or float64. Rows of
-        one sequence are consecutive.
+        ``[batch * query_len, num_q_heads, head_dim]`` (or, with ``query_start_loc``, any
+        number of rows); bf16, fp16, float32 or float64. Rows of one sequence are consecutive.
     k_cache, v_cache : torch.Tensor
         ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
         ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), any strides (may be views of
@@ -178,8 +226,8 @@ def paged_decode_torch(
         ``block_table[b, t // page_size]``, slot ``t % page_size``. Columns past a sequence's
         pages are never read.
     seq_lens : torch.Tensor
-        ``[batch]`` int32; tokens in the cache per sequence, including the ``query_len`` new
-        ones; ``seq_lens[b] >= query_len``, or 0 for a padding slot (zero rows, LSE -inf).
+        ``[batch]`` int32; tokens in the cache per sequence, including its new ones;
+        ``seq_lens[b] >= n_b``, or 0 for a padding slot (zero rows, LSE -inf).
     sm_scale : float, optional
         Softmax scale; default ``head_dim ** -0.5``.
     k_scale, v_scale : torch.Tensor, optional
@@ -189,28 +237,56 @@ def paged_decode_torch(
         Cache layout.
     sliding_window : int, optional
         Keys within ``sliding_window`` positions of the query (itself included); >= 1.
+    sinks : torch.Tensor, optional
+        ``[num_q_heads]``: one logit per query head added to its softmax denominator,
+        ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h]))``; the LSE includes it. Padding
+        slots keep zero rows and LSE -inf.
+    logits_soft_cap : float, optional
+        Scores ``s = sm_scale * q . k`` become ``logits_soft_cap * tanh(s / logits_soft_cap)``.
+    query_start_loc : torch.Tensor, optional
+        ``[batch + 1]`` integer, non-decreasing, in ``[0, q rows]``: sequence ``b``'s query rows
+        are ``query_start_loc[b] : query_start_loc[b + 1]``. Rows outside every sequence's
+        come out NaN (the kernels leave them as they are).
     return_lse : bool
         Also return the log-sum-exp of the scaled scores.
 
     Returns
     -------
     out : torch.Tensor
-        float64 ``[batch * query_len, num_q_heads, head_dim]`` on ``q.device``.
+        float64 ``[q rows, num_q_heads, head_dim]`` on ``q.device``.
     lse : torch.Tensor
-        Only with ``return_lse``: float64 ``[batch * query_len, num_q_heads]``, natural log of
-        the sum of ``exp(sm_scale * q . k)`` over the attended keys.
+        Only with ``return_lse``: float64 ``[q rows, num_q_heads]``, natural log of the sum of
+        ``exp(s)`` over the attended keys (and ``exp(sink)``).
     """
+    ragged = query_start_loc is not None
     _validate(
-        q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, kv_layout, sliding_window
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        k_scale,
+        v_scale,
+        kv_layout,
+        sliding_window,
+        ragged,
     )
     num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if sinks is not None:
+        _check_sinks(sinks, num_q_heads)
+    if logits_soft_cap is not None:
+        _check_soft_cap(logits_soft_cap)
     if kv_layout == "NHD":
         num_pages, page_size, num_kv_heads = k_cache.shape[:3]
     else:
         num_pages, num_kv_heads, page_size = k_cache.shape[:3]
     group = num_q_heads // num_kv_heads
     batch = seq_lens.shape[0]
-    query_len = q.shape[0] // batch if batch else 0
+    if ragged:
+        query_rows = _query_rows(query_start_loc, batch, q.shape[0])
+    else:
+        query_len = q.shape[0] // batch if batch else 0
+        query_rows = [(b * query_len, (b + 1) * query_len) for b in range(batch)]
     if sm_scale is None:
         sm_scale = head_dim**-0.5
 
@@ -218,11 +294,15 @@ def paged_decode_torch(
     lengths = [int(n) for n in seq_lens.tolist()]
     max_pages = block_table.shape[1]
     for b, n in enumerate(lengths):
-        if n < query_len and n != 0:
+        new_tokens = query_rows[b][1] - query_rows[b][0]
+        if n < new_tokens and n != 0:
+            what = "its query rows" if ragged else "query_len"
             raise ValueError(
-                f"seq_lens: expected every length >= query_len ({query_len}) or 0 (a padding "
+                f"seq_lens: expected every length >= {what} ({new_tokens}) or 0 (a padding "
                 f"slot), got seq_lens[{b}] = {n}"
             )
+        if n < 0:
+            raise ValueError(f"seq_lens: expected lengths >= 0, got seq_lens[{b}] = {n}")
         if math.ceil(n / page_size) > max_pages:
             raise ValueError(
                 f"block_table: sequence {b} (length {n}) needs {math.ceil(n / page_size)} pages "
@@ -239,19 +319,29 @@ def paged_decode_torch(
             f"use, got min {int(used_ids.min())}, max {int(used_ids.max())}"
         )
 
-    out = torch.empty(
-        batch * query_len, num_q_heads, head_dim, dtype=torch.float64, device=q.device
+    # Rows no sequence owns (ragged queries only) stay NaN.
+    out = torch.full(
+        (q.shape[0], num_q_heads, head_dim), float("nan"), dtype=torch.float64, device=q.device
     )
-    lse = torch.empty(batch * query_len, num_q_heads, dtype=torch.float64, device=q.device)
-    offsets = torch.arange(query_len, device=device)
+    lse = torch.full((q.shape[0], num_q_heads), float("nan"), dtype=torch.float64, device=q.device)
+    sink_logits = None
+    if sinks is not None:
+        # [num_kv_heads, group, 1, 1], against scores [num_kv_heads, group, L, S]
+        sink_logits = sinks.to(device=device, dtype=torch.float64).reshape(
+            num_kv_heads, group, 1, 1
+        )
     for b, n in enumerate(lengths):
-        rows = slice(b * query_len, (b + 1) * query_len)
+        first_row, end_row = query_rows[b]
+        new_tokens = end_row - first_row
+        rows = slice(first_row, end_row)
+        if new_tokens == 0:
+            continue
         if n == 0:  # a padding slot: no keys, zero rows
             out[rows] = 0.0
             lse[rows] = float("-inf")
             continue
         # Earliest key any of this sequence's queries attends; pages before it are skipped.
-        first_key = 0 if sliding_window is None else max(0, n - query_len - sliding_window + 1)
+        first_key = 0 if sliding_window is None else max(0, n - new_tokens - sliding_window + 1)
         first_page = first_key // page_size
         pages = table[b, first_page : math.ceil(n / page_size)]
         start, stop = first_key - first_page * page_size, n - first_page * page_size
@@ -259,21 +349,27 @@ def paged_decode_torch(
         keys = _load_tokens(k_cache, k_scale, pages, tokens, kv_layout)  # [S, Hkv, head_dim]
         values = _load_tokens(v_cache, v_scale, pages, tokens, kv_layout)
         queries = q[rows].to(device=device, dtype=torch.float64)
-        queries = queries.reshape(query_len, num_kv_heads, group, head_dim)
+        queries = queries.reshape(new_tokens, num_kv_heads, group, head_dim)
 
         scores = torch.einsum("lkgd,skd->kgls", queries, keys) * sm_scale
-        positions = n - query_len + offsets  # [L]
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        positions = n - new_tokens + torch.arange(new_tokens, device=device)  # [L]
         key_positions = torch.arange(first_key, n, device=device)  # [S]
         allowed = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
         if sliding_window is not None:
             allowed &= key_positions.unsqueeze(0) > (positions - sliding_window).unsqueeze(1)
         scores.masked_fill_(~allowed, float("-inf"))
         # Every query attends at least its own position, so no row is all -inf.
-        seq_lse = torch.logsumexp(scores, dim=-1)  # [num_kv_heads, group, L]
+        if sink_logits is None:
+            seq_lse = torch.logsumexp(scores, dim=-1)  # [num_kv_heads, group, L]
+        else:
+            sink_column = sink_logits.expand(-1, -1, new_tokens, 1)
+            seq_lse = torch.logsumexp(torch.cat([scores, sink_column], dim=-1), dim=-1)
         probs = torch.exp(scores - seq_lse.unsqueeze(-1))
         seq_out = torch.einsum("kgls,skd->lkgd", probs, values)
-        out[rows] = seq_out.reshape(query_len, num_q_heads, head_dim).to(q.device)
-        lse[rows] = seq_lse.permute(2, 0, 1).reshape(query_len, num_q_heads).to(q.device)
+        out[rows] = seq_out.reshape(new_tokens, num_q_heads, head_dim).to(q.device)
+        lse[rows] = seq_lse.permute(2, 0, 1).reshape(new_tokens, num_q_heads).to(q.device)
     return (out, lse) if return_lse else out
 
 
