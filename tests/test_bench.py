@@ -149,6 +149,30 @@ def test_rotation_copies():
     assert timing.rotation_copies(2000 * mb, budget_bytes=mb) == 1
 
 
+def test_graph_capture_needs_steps():
+    with pytest.raises(ValueError, match="steps: expected at least one step, got none"):
+        timing.capture([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_capture_replays_the_steps():
+    x = torch.zeros(4, device="cuda")
+    graph = timing.capture([lambda: x.add_(1.0), lambda: x.mul_(2.0)])
+    # Warm-up run (1) + warm replays (WARM_REPLAYS), each step pair once.
+    expected = 0.0
+    for _ in range(1 + timing.WARM_REPLAYS):
+        expected = (expected + 1.0) * 2.0
+    assert torch.equal(x, torch.full_like(x, expected))
+    graph.replay()
+    assert torch.equal(x, torch.full_like(x, (expected + 1.0) * 2.0))
+
+
+def test_host_time_is_the_median_of_the_calls():
+    calls = []
+    assert timing.host_time_us(lambda: calls.append(1), samples=5) >= 0
+    assert len(calls) == 5
+
+
 def test_summarize_gives_median_and_quantiles():
     t = timing.summarize([float(x) for x in range(1, 102)], "m")
     assert (t.us_p50, t.us_p20, t.us_p80, t.method) == (51.0, 21.0, 81.0, "m")

@@ -14,11 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pagedattn
+from pagedattn.bench import providers, timing
+from pagedattn.bench.cases import Case, kv_bytes
 from pagedattn.launch import default_grid_multiplier
 from pagedattn.tuning import table as tuning_table
 from pagedattn.tuning import tuner
 from pagedattn.tuning.table import TuningKey, lookup_grid, read_table
-from pagedattn.tuning.tuner import Shape, choose, main, make_row, tune_shape
+from pagedattn.tuning.tuner import choose, default_multiplier, main, make_row, tune_shape
 
 DEVICE = "NVIDIA H200"
 SMS = 132
@@ -109,7 +111,7 @@ def test_relative_noise():
 
 def test_tune_shape_times_default_first_and_last_and_checks_the_winner():
     fake = FakeBackend()
-    shape = Shape(16, 8192)
+    shape = Case(16, 8192)
     result = tune_shape(shape, [1, 3, 4], fake.time_us, fake.rel_err, default=2)
     assert [m for _, m in fake.timed] == [2, 1, 3, 4, 2]  # default timed even if not listed
     assert result.chosen == 3 and result.tuned_us == 8.0 and result.default_us == 10.0
@@ -120,25 +122,25 @@ def test_tune_shape_times_default_first_and_last_and_checks_the_winner():
 def test_tune_shape_noisy_default_blocks_a_marginal_win():
     runs = iter([10.0, 9.5, 11.0])  # default, x3, default: noise 10%, default mean 10.5
 
-    shape = Shape(1, 1024)  # 16 query rows per kv head: the planner's default is 4 per SM
+    shape = Case(1, 1024)  # 16 query rows per kv head: the planner's default is 4 per SM
     result = tune_shape(shape, [3], lambda s, m: next(runs), lambda s, m: 0.0)
     assert result.noise == pytest.approx(0.1) and result.default_us == pytest.approx(10.5)
-    assert result.chosen == result.default == shape.default_multiplier == 4
+    assert result.chosen == result.default == default_multiplier(shape) == 4
 
 
 def test_shape_default_multiplier_follows_query_rows():
-    assert Shape(1, 1024, query_len=1).default_multiplier == 4  # 16 rows
-    assert Shape(1, 1024, query_len=4).default_multiplier == 2  # 64 rows
-    assert Shape(1, 1024, query_len=2, num_q_heads=8).default_multiplier == 4  # 16 rows
+    assert default_multiplier(Case(1, 1024, query_len=1)) == 4  # 16 rows
+    assert default_multiplier(Case(1, 1024, query_len=4)) == 2  # 64 rows
+    assert default_multiplier(Case(1, 1024, query_len=2, num_q_heads=8)) == 4  # 16 rows
 
 
 def test_tolerance_by_dtype():
-    fail = tune_shape(Shape(1, 1024), [1], lambda s, m: 1.0, lambda s, m: 0.03)
+    fail = tune_shape(Case(1, 1024), [1], lambda s, m: 1.0, lambda s, m: 0.03)
     assert not fail.passed
-    fp8 = tune_shape(Shape(1, 1024), [1], lambda s, m: 1.0, lambda s, m: 0.015)
-    bf16_shape = Shape(1, 1024, kv_scale=None, kv_dtype="bf16")
+    fp8 = tune_shape(Case(1, 1024), [1], lambda s, m: 1.0, lambda s, m: 0.015)
+    bf16_shape = Case(1, 1024, kv_scale=None, kv_dtype="bf16")
     bf16 = tune_shape(bf16_shape, [1], lambda s, m: 1.0, lambda s, m: 0.015)
-    nan = tune_shape(Shape(1, 1024), [1], lambda s, m: 1.0, lambda s, m: math.nan)
+    nan = tune_shape(Case(1, 1024), [1], lambda s, m: 1.0, lambda s, m: math.nan)
     assert fp8.passed and not bf16.passed and not nan.passed
 
 
@@ -147,7 +149,7 @@ def test_tolerance_by_dtype():
 
 def test_rows_read_back_and_look_up(tables):
     fake = FakeBackend()
-    shape = Shape(100, 5000, query_len=4, kv_scale="per_token")
+    shape = Case(100, 5000, query_len=4, kv_scale="per_token")
     result = tune_shape(shape, [1, 2, 3, 4], fake.time_us, fake.rel_err)
     row = make_row(result, device_name=DEVICE, sm_count=SMS, date="2026-01-02")
     assert tuple(row) == tuning_table.COLUMNS
@@ -311,29 +313,32 @@ def test_without_cuda_exits_2_with_a_message(tables, monkeypatch, capsys):
     assert not tables.user.exists()
 
 
-def test_rotation_copies_and_kv_bytes():
-    assert tuner.rotation_copies(1) == 64
-    assert tuner.rotation_copies(tuner.ROTATION_BYTES) == 1
-    assert tuner.rotation_copies(tuner.ROTATION_BYTES // 4) == 4
-    assert tuner.rotation_copies(tuner.ROTATION_BYTES // 4 - 1) == 5  # R * kv_bytes >= 256 MB
-    assert tuner.rotation_copies(10 * tuner.ROTATION_BYTES) == 1
-    assert Shape(2, 1024).kv_bytes == 2 * 1024 * 128 * 2
-    assert Shape(2, 1024, kv_scale="per_token").kv_bytes == 2 * 1024 * (128 * 2 + 8)
-    assert Shape(2, 1024, kv_scale=None, kv_dtype="bf16").kv_bytes == 2 * 1024 * 128 * 4
+def test_presets_take_the_kv_dtype_for_the_query():
+    (bf16,) = tuner.preset_shapes("quick", kv_dtype="fp16")[:1]
+    assert (bf16.kv_dtype, bf16.kv_scale, bf16.q_dtype) == ("fp16", None, "fp16")
+    assert {s.q_dtype for s in tuner.preset_shapes("quick")} == {"bf16"}
 
 
-def test_cuda_backend_checks_on_cpu_through_the_interpreter():
+def test_cuda_backend_checks_on_cpu_through_the_interpreter(monkeypatch):
     """The data, step and reference path of the real backend (timing itself needs CUDA)."""
+    monkeypatch.setattr(providers, "PLAN_SAMPLES", 1)
     backend = tuner.CudaBackend(device="cpu" if not ON_GPU else None)
     for shape in (
-        Shape(3, 80, query_len=2, kv_scale="per_token", num_q_heads=4, head_dim=64, page_size=16),
-        Shape(2, 40, kv_scale=None, kv_dtype="bf16", num_q_heads=2, head_dim=64, page_size=32),
+        Case(3, 80, query_len=2, kv_scale="per_token", num_q_heads=4, head_dim=64, page_size=16),
+        Case(2, 40, kv_scale=None, kv_dtype="bf16", num_q_heads=2, head_dim=64, page_size=32),
     ):
-        assert len(backend._prepare(shape)["copies"]) == tuner.MAX_COPIES  # tiny: capped
+        copies = backend._prepare(shape).copies
+        assert (
+            len(copies)
+            == tuner.MAX_COPIES
+            == timing.rotation_copies(kv_bytes(shape), max_copies=64)
+        )
         for m in (1, 3):
             # Measured 3.3e-3 (FP8) and 5.3e-3 (bf16 KV: P meets V in bf16, and the output is
             # rounded to bf16) against tolerances of 2e-2 and 1e-2.
-            assert backend.rel_err(shape, m) < 0.75 * shape.tolerance
+            assert backend.rel_err(shape, m) < 0.75 * tuner.error_bound(shape)
+            steps = backend._steps(shape, m)
+            assert len(steps) == len(copies)
 
 
 @requires_gpu
@@ -349,25 +354,3 @@ def test_tunes_one_shape_on_gpu(tmp_path):
     # more than the noise; which one does depends on the GPU's timings.
     assert row["grid_multiplier"] in (1, 2, default_grid_multiplier(16))
     assert row["tuned_us"] > 0 and row["default_us"] > 0
-
-
-def test_graph_capture_needs_steps():
-    from pagedattn.tuning import graphs
-
-    with pytest.raises(ValueError, match="steps: expected at least one step, got none"):
-        graphs.capture([])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_capture_replays_the_steps():
-    from pagedattn.tuning import graphs
-
-    x = torch.zeros(4, device="cuda")
-    graph = graphs.capture([lambda: x.add_(1.0), lambda: x.mul_(2.0)])
-    # Warm-up run (1) + warm replays (WARM_REPLAYS), each step pair once.
-    expected = 0.0
-    for _ in range(1 + graphs.WARM_REPLAYS):
-        expected = (expected + 1.0) * 2.0
-    assert torch.equal(x, torch.full_like(x, expected))
-    graph.replay()
-    assert torch.equal(x, torch.full_like(x, (expected + 1.0) * 2.0))

@@ -1,4 +1,5 @@
 """Benchmark cases: one decode-step shape each, the presets that list them, and their KV bytes.
+The tuner measures these cases too.
 
 Decode is memory-bound, so every time is reported against the KV bytes the step must read
 (``DESIGN.md``, "Measuring speed"): per sequence ``seq_len * num_kv_heads * head_dim * 2`` values
@@ -15,21 +16,17 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-# The seed grid (DESIGN.md / PEERS.md workload), as the tuner's presets spell it, and its
-# validation of one step's fields.
-from pagedattn.tuning.tuner import (
-    KV_SCALES,
-    SEED_BATCHES,
-    SEED_CONTEXTS,
-    SEED_QUERY_LENS,
-    Shape,
-)
-
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 Q_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BYTES_PER_ELEMENT = {"fp8": 1, "bf16": 2, "fp16": 2}
 SCALE_BYTES = 4  # float32
-SCALE_MODES = KV_SCALES
+SCALE_MODES = ("per_tensor", "per_token")
+HEAD_DIMS = (64, 128, 256)
+
+# The seed grid (DESIGN.md / PEERS.md workload): 16/1 heads, head_dim 128, FP8 KV, page 1024.
+SEED_BATCHES = (1, 16, 64, 128, 256)
+SEED_CONTEXTS = (1024, 8192, 32768)
+SEED_QUERY_LENS = (1, 4)
 
 RAGGED_BATCH = 64
 RAGGED_RANGE = (256, 32768)  # lengths uniform in low..high, both included
@@ -44,7 +41,8 @@ class Case:
 
     ``context`` is every sequence's length (tokens in the cache, the ``query_len`` new ones
     included); for a ragged batch it is the rounded mean of the lengths, which come from
-    ``ragged = (low, high)`` and ``seed``.
+    ``ragged = (low, high)`` and ``seed``. ``kv_scale`` is None for bf16/fp16 KV.
+    ``num_programs``: the plan's grid (None: the planner's).
     """
 
     batch: int
@@ -59,23 +57,36 @@ class Case:
     q_dtype: str = "bf16"
     ragged: tuple[int, int] | None = None
     seed: int = RAGGED_SEED
+    num_programs: int | None = None
 
     def __post_init__(self):
+        for name in ("batch", "context", "query_len", "num_q_heads", "num_kv_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         if self.q_dtype not in Q_DTYPES:
             raise ValueError(f"q_dtype: expected one of {tuple(Q_DTYPES)}, got {self.q_dtype!r}")
-        # The step's other fields are checked as the tuner checks a shape; a ragged batch by
-        # its shortest length (every length must hold the query_len new tokens).
-        Shape(
-            batch=self.batch,
-            context=self.ragged[0] if self.ragged else self.context,
-            query_len=self.query_len,
-            kv_scale=self.kv_scale,
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            page_size=self.page_size,
-            kv_dtype=self.kv_dtype,
-        )
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: expected one of {tuple(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype == "fp8" and self.kv_scale not in SCALE_MODES:
+            raise ValueError(
+                f"kv_scale: expected one of {SCALE_MODES} for fp8, got {self.kv_scale!r}"
+            )
+        if self.kv_dtype != "fp8" and self.kv_scale is not None:
+            raise ValueError(f"kv_scale: expected none for {self.kv_dtype}, got {self.kv_scale!r}")
+        shortest = self.ragged[0] if self.ragged else self.context  # holds the new tokens too
+        if shortest < self.query_len:
+            raise ValueError(f"context ({shortest}) must be >= query_len ({self.query_len})")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim: expected 64, 128 or 256, got {self.head_dim!r}")
+        p = self.page_size
+        if not isinstance(p, int) or not 1 <= p <= 4096 or p & (p - 1):
+            raise ValueError(f"page_size: expected a power of two in 1..4096, got {p!r}")
 
     def seq_lens(self) -> list[int]:
         """Tokens per sequence, ``batch`` of them (reproducible for a ragged batch)."""
@@ -84,7 +95,7 @@ class Case:
         return ragged_lengths(self.batch, *self.ragged, seed=self.seed)
 
     def plan_kwargs(self) -> dict:
-        """The step's shape as ``pagedattn.plan_decode`` keywords (default grid and partition)."""
+        """The step as ``pagedattn.plan_decode`` keywords (the default partition)."""
         return dict(
             num_q_heads=self.num_q_heads,
             num_kv_heads=self.num_kv_heads,
@@ -93,6 +104,7 @@ class Case:
             query_len=self.query_len,
             kv_dtype=KV_DTYPES[self.kv_dtype],
             kv_scale=self.kv_scale,
+            num_programs=self.num_programs,
         )
 
     @property

@@ -5,21 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedattn._cli_args import int_list
+from pagedattn._cli_args import choice_list, int_list
 
 PRESETS = ("seed", "quick", "full")
-
-
-def _choice_list(*choices: str):
-    def parse(text: str) -> list[str]:
-        names = [v.strip() for v in text.split(",") if v.strip()]
-        if not names or any(n not in choices for n in names):
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated values from {list(choices)}, got {text!r}"
-            )
-        return names
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,13 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--query-len", type=int_list, help="new tokens per sequence, e.g. 1,4")
     shape.add_argument(
         "--kv-dtype",
-        type=_choice_list("fp8", "bf16", "fp16"),
+        type=choice_list("fp8", "bf16", "fp16"),
         help="fp8,bf16,fp16",
     )
     shape.add_argument("--page-size", type=int_list, help="e.g. 16,1024")
     shape.add_argument(
         "--kv-scale",
-        type=_choice_list("per_tensor", "per_token"),
+        type=choice_list("per_tensor", "per_token"),
         help="FP8 scale modes: per_tensor,per_token",
     )
     shape.add_argument(

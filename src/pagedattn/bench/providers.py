@@ -26,10 +26,8 @@ timed region (``plan_host_us``).
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -37,6 +35,7 @@ import pagedattn
 from pagedattn.reference import paged_decode_torch
 
 from .cases import KV_DTYPES, Q_DTYPES, Case
+from .timing import host_time_us
 
 PLAN_SAMPLES = 7  # host-time samples of a plan() call; the median is reported
 # FlashInfer's split-KV partial results live in this buffer; its prefill path under CUDA graphs
@@ -80,18 +79,6 @@ class Prepared:
 
     def __call__(self, copy: KVCopy) -> Callable[[], torch.Tensor]:
         return self.make_step(copy)
-
-
-def host_time_us(fn: Callable[[], Any], samples: int | None = None) -> float:
-    """Median host wall time of ``fn()`` in microseconds (what the CPU spends; not GPU time)."""
-    times = []
-    for _ in range(samples or PLAN_SAMPLES):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
 
 
 class Provider:
@@ -174,7 +161,7 @@ class PagedAttnProvider(Provider):
             return step
 
         replan()  # compile the scheduler before its host time is taken
-        return Prepared(make_step, plan_host_us=host_time_us(replan))
+        return Prepared(make_step, plan_host_us=host_time_us(replan, PLAN_SAMPLES))
 
 
 class FlashInferProvider(Provider):
@@ -276,7 +263,7 @@ class FlashInferProvider(Provider):
 
             kind = "prefill (causal)"
         plan()  # JIT-compiles the module on first use
-        plan_host_us = host_time_us(plan)
+        plan_host_us = host_time_us(plan, PLAN_SAMPLES)
         out = torch.empty_like(inputs.q)
 
         def make_step(copy: KVCopy) -> Callable[[], torch.Tensor]:

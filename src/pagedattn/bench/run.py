@@ -205,17 +205,17 @@ def add_bandwidth(row: dict, case: Case, ceilings: Ceilings) -> None:
 
 
 class _PlainProgress:
-    """What the sweep uses when tqdm is missing: one printed line per case."""
+    """What a progress bar is when tqdm is missing: one printed line per update."""
 
     def __init__(self, total: int):
-        self.total, self.done = total, 0
+        self.total, self.done, self.text = total, 0, ""
 
     def update(self, n: int = 1) -> None:
         self.done += n
-        print(f"[{self.done}/{self.total}]", flush=True)
+        print(f"[{self.done}/{self.total}] {self.text}", flush=True)
 
     def set_postfix_str(self, text: str) -> None:
-        print(f"[{self.done}/{self.total}] {text}", flush=True)
+        self.text = text
 
     def write(self, text: str) -> None:
         print(text, flush=True)
@@ -224,12 +224,14 @@ class _PlainProgress:
         pass
 
 
-def progress_bar(total: int):
+def progress_bar(total: int, unit: str = "case"):
+    """A tqdm bar on stdout (``update``, ``set_postfix_str``, ``write``, ``close``), or plain
+    lines without tqdm."""
     try:
         from tqdm import tqdm
     except ImportError:
         return _PlainProgress(total)
-    return tqdm(total=total, unit="case", mininterval=2.0, file=sys.stdout)
+    return tqdm(total=total, unit=unit, mininterval=2.0, file=sys.stdout)
 
 
 def environment(ceilings: Ceilings | None) -> dict:

@@ -1,4 +1,6 @@
-"""Timing a decode step: CUDA-graph replays over rotated KV copies, or ``do_bench`` as a fallback.
+"""Timing: GPU time of decode steps by CUDA-graph replays over rotated KV copies (``do_bench``
+as a fallback), and host time of a call. The benchmark, the tuner and the micro-sweeps all
+time through here.
 
 A step timed alone re-reads a KV cache that may still sit in the 60 MB L2 of an H200 and pays a
 host launch each call. Instead, ``R`` steps over ``R`` disjoint copies of the cache (``R`` copies
@@ -11,16 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from pagedattn.tuning import graphs
-
 ROTATION_BYTES = 256 * 2**20  # > 4x the H200's 60 MB L2
 MAX_COPIES = 256  # caps capture time and graph size for tiny caches
 MIN_REPLAYS = 20
+WARM_REPLAYS = 3  # after capture, before timing
 
 Step = Callable[[], object]
 
@@ -59,24 +62,55 @@ def summarize(per_call_us: Sequence[float], method: str) -> Timing:
     return Timing(float(p50), float(p20), float(p80), method)
 
 
-def time_graph(steps: Sequence[Step], *, replays: int = MIN_REPLAYS) -> Timing:
-    """Capture ``steps`` (one per KV copy) in one CUDA graph and time its replays.
+def capture(steps: Sequence[Step]) -> torch.cuda.CUDAGraph:
+    """Runs ``steps`` once on a side stream (JIT compilation, lazy allocations), captures them
+    in one CUDA graph, and replays it a few times so timing starts warm.
 
     Raises whatever capture raises (a step that syncs with the host cannot be captured).
     """
-    replays = max(replays, MIN_REPLAYS)
-    graph = graphs.capture(steps)
+    if not steps:
+        raise ValueError("steps: expected at least one step, got none")
+    caller = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(caller)
+    with torch.cuda.stream(side):
+        for step in steps:
+            step()
+    caller.wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for step in steps:
+                step()
+    finally:
+        # A failed capture can leave the side stream current; later work must not run there.
+        torch.cuda.set_stream(caller)
+    for _ in range(WARM_REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    return graph
 
+
+def time_graph(steps: Sequence[Step], *, replays: int = MIN_REPLAYS, per_sample: int = 1) -> Timing:
+    """Capture ``steps`` (one per KV copy) in one CUDA graph and time ``replays`` samples of
+    ``per_sample`` replays each; the time per step.
+
+    Raises whatever capture raises (a step that syncs with the host cannot be captured).
+    """
+    graph = capture(steps)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     for start, end in zip(starts, ends):
         start.record()
-        graph.replay()
+        for _ in range(per_sample):
+            graph.replay()
         end.record()
     torch.cuda.synchronize()
-    per_call = [s.elapsed_time(e) * 1e3 / len(steps) for s, e in zip(starts, ends)]
+    calls = per_sample * len(steps)
+    per_call = [s.elapsed_time(e) * 1e3 / calls for s, e in zip(starts, ends)]
     del graph
-    return summarize(per_call, f"cuda-graph {len(steps)} copies x {replays} replays")
+    return summarize(per_call, f"cuda-graph {len(steps)} copies x {replays * per_sample} replays")
 
 
 def time_do_bench(step: Step, *, note: str = "") -> Timing:
@@ -101,3 +135,16 @@ def time_steps(
         note = f"graph capture failed: {type(exc).__name__}" + (f": {reason}" if reason else "")
     torch.cuda.synchronize()
     return time_do_bench(steps[0], note=note)
+
+
+def host_time_us(fn: Callable[[], object], samples: int) -> float:
+    """Median host wall time of ``fn()`` in microseconds over ``samples`` calls, each after a
+    sync (what the CPU spends; not GPU time)."""
+    times = []
+    for _ in range(samples):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
