@@ -34,6 +34,12 @@ def main() -> None:
     parser.add_argument("--programs", default="", help="Hopper program counts; default 2 x SMs")
     parser.add_argument("--stages", default=str(gluon_decode.DEFAULT_STAGES))
     parser.add_argument("--half", default=str(gluon_decode.DEFAULT_HALF))
+    parser.add_argument("--maxnreg", default="0", help="register caps a thread; 0: none")
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="programs:stages:maxnreg,... to time instead of the product of the lists above",
+    )
     parser.add_argument("--partition", type=int, default=256)
     parser.add_argument("--page-size", type=int, default=1024)
     parser.add_argument("--no-check", action="store_true", help="skip the reference")
@@ -78,13 +84,19 @@ def main() -> None:
                 partition_size=partition,
             )
 
-        configs = [("triton", None, None, None)] + [
-            ("gluon", p, int(st), int(h))
-            for p, st, h in itertools.product(
-                programs, args.stages.split(","), args.half.split(",")
-            )
-        ]
-        for backend, num_programs, stages, half in configs:
+        configs = [("triton", None, None, None, None)]
+        if args.configs:
+            for c in args.configs.split(","):
+                n, st, r = (int(x) for x in c.split(":"))
+                configs.append(("gluon", n, st, int(args.half.split(",")[0]), r))
+        else:
+            configs += [
+                ("gluon", p, int(st), int(h), int(r))
+                for p, st, h, r in itertools.product(
+                    programs, args.stages.split(","), args.half.split(","), args.maxnreg.split(",")
+                )
+            ]
+        for backend, num_programs, stages, half, maxnreg in configs:
             if backend == "triton":
                 step = functools.partial(
                     pagedattn.paged_decode, *a, plan=plan(None, None), backend="triton", **kw
@@ -92,9 +104,18 @@ def main() -> None:
             else:
                 p = plan(num_programs, args.partition)
                 step = functools.partial(
-                    gluon_decode.gluon_paged_decode, *a, p, stages=stages, half=half, **kw
+                    gluon_decode.gluon_paged_decode,
+                    *a,
+                    p,
+                    stages=stages,
+                    half=half,
+                    maxnreg=maxnreg or None,
+                    **kw,
                 )
-            label = f"{shape} {scale} {backend} programs={num_programs} stages={stages} half={half}"
+            label = (
+                f"{shape} {scale} {backend} programs={num_programs} stages={stages} half={half} "
+                f"maxnreg={maxnreg}"
+            )
             try:
                 us = time_graph([step] * GRAPH_CALLS).us_p50
                 err = float("nan")
@@ -106,16 +127,20 @@ def main() -> None:
                 print(f"{label}: failed: {type(exc).__name__}: {exc}"[:400], flush=True)
                 continue
             gbps = nbytes / us / 1e3
-            rows.append((shape, scale, backend, num_programs, stages, half, us, gbps, err))
+            rows.append((shape, scale, backend, num_programs, stages, half, maxnreg, us, gbps, err))
             print(
                 f"{label}: {us:.1f} us {gbps:.0f} GB/s {100 * gbps / ceiling:.1f}% err {err:.2e}",
                 flush=True,
             )
-    print("| shape | scale | backend | programs | stages | half | µs | GB/s | % read | rel err |")
-    print("|---" * 10 + "|")
-    for shape, scale, backend, n, st, h, us, gbps, err in rows:
+    print(
+        "| shape | scale | backend | programs | stages | half | maxnreg | µs | GB/s | % read "
+        "| rel err |"
+    )
+    print("|---" * 11 + "|")
+    for shape, scale, backend, n, st, h, r, us, gbps, err in rows:
         print(
             f"| {shape} | {scale} | {backend} | {n or 'default'} | {st or ''} | {h or ''} | "
+            f"{r or ''} | "
             f"{us:.1f} | {gbps:.0f} | {100 * gbps / ceiling:.1f} | {err:.2e} |"
         )
 

@@ -174,7 +174,10 @@ def _compile_matches_eager(gen, backend):
     eager_plan = pagedattn.plan_decode(cache.seq_lens, **SIZES)
     # Two steps: the second with other lengths refills the same plan inside the graph (shorter
     # ones, as the cache's pages past the lengths hold NaN).
-    for lens in (cache.seq_lens, cache.seq_lens - torch.tensor([2, 21, 0], dtype=torch.int32)):
+    for lens in (
+        cache.seq_lens,
+        cache.seq_lens - torch.tensor([2, 21, 0], dtype=torch.int32, device=DEVICE),
+    ):
         got = compiled(plan, lens, *args)
         want = _compiled_step(eager_plan, lens, *args)
         for g, w in zip(got, want):

@@ -265,7 +265,6 @@ def _epilogue(
     WRITE_LSE: gl.constexpr,
     s_l: gl.constexpr,
     o_l: gl.constexpr,
-    st_l: gl.constexpr,
 ):
     """Epilogue role: faults, then the rows to ``out`` or to the work's partial slot. A row
     that saw no key (a padding slot) gets zeros and LSE -inf, a faulty work NaN."""
@@ -280,10 +279,10 @@ def _epilogue(
     o_scale = gl.where(l_i > 0.0, v_unit / l_safe, 0.0)
     o_scale = gl.where(nan_rows, float("nan"), o_scale)
     o = o * gl.convert_layout(o_scale, gl.SliceLayout(0, o_l))[None, :]
-    # Stores with head_dim fastest (16-byte runs), not the accumulator's layout.
-    o = gl.convert_layout(o, st_l)
-    dd = gl.arange(0, D, layout=gl.SliceLayout(1, st_l))
-    rr = gl.arange(0, R, layout=gl.SliceLayout(0, st_l))
+    # Stored from the accumulator's layout: a layout conversion would take 8 KB of shared
+    # memory at 16 rows, the difference between 3 and 4 programs an SM.
+    dd = gl.arange(0, D, layout=gl.SliceLayout(1, o_l))
+    rr = gl.arange(0, R, layout=gl.SliceLayout(0, o_l))
     row_ok = (rr < GROUP)[None, :]
     rl = gl.arange(0, R, layout=gl.SliceLayout(0, s_l))
     if slot < 0:
@@ -351,7 +350,6 @@ def gluon_decode_kernel(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16]
     )
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    st_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, BLOCK], gl.float16)
     v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], gl.float16)
@@ -570,7 +568,6 @@ def gluon_decode_kernel(
             WRITE_LSE,
             s_l,
             o_l,
-            st_l,
         )
 
     for st in gl.static_range(STAGES):
@@ -639,6 +636,7 @@ def compile_sm90a(
     write_lse: bool = False,
     stages: int = DEFAULT_STAGES,
     half: int = DEFAULT_HALF,
+    maxnreg: int | None = None,
 ):
     """Compiles one variant for sm_90a without a GPU (Triton's bundled ptxas); returns the
     compiled kernel (``asm`` holds ``ptx`` and ``cubin``, ``metadata.shared`` the bytes of
@@ -651,7 +649,9 @@ def compile_sm90a(
         gluon_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs
     )
     return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}
+        source,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {})},
     )
 
 
@@ -724,6 +724,7 @@ def gluon_paged_decode(
     lse=None,
     stages: int = DEFAULT_STAGES,
     half: int = DEFAULT_HALF,
+    maxnreg: int | None = None,
 ):
     """Decode with the Hopper kernel, then the shared split reducer; the arguments mean what
     they mean for :func:`pagedattn.paged_decode` (``lse``: a float32
@@ -777,6 +778,7 @@ def gluon_paged_decode(
         lse=lse,
         stages=stages,
         half=half,
+        maxnreg=maxnreg,
     )
     return out
 
@@ -798,9 +800,11 @@ def launch(
     lse,
     stages: int = DEFAULT_STAGES,
     half: int = DEFAULT_HALF,
+    maxnreg: int | None = None,
     reduce_config=None,
 ):
-    """The decode kernel and the shared reducer on checked, covered arguments."""
+    """The decode kernel and the shared reducer on checked, covered arguments (``maxnreg``:
+    a register cap a thread, for sweeps)."""
     if shape.batch == 0:
         return
     group = shape.num_q_heads // shape.num_kv_heads
@@ -842,5 +846,6 @@ def launch(
         STAGES=stages,
         HALF=half,
         num_warps=NUM_WARPS,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     reduce_partials(plan, out, lse, reduce_config)
