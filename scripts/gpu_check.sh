@@ -74,7 +74,7 @@ if [[ $MODE == fuzz || $MODE == all ]]; then
     >"$LOGS/sanitizer_fuzz.log" 2>&1
   summary+=("sanitizer fuzz (rc $?): $(grep -E 'ERROR SUMMARY|^fuzz:' "$LOGS/sanitizer_fuzz.log" | tr '\n' ' ')")
   cp "$LOGS"/fuzz.log "$LOGS"/sanitizer_fuzz.log "$OUT"/ 2>/dev/null
-  python3 benchmarks/bench_schedule.py >"$OUT/schedule.md" 2>&1
+  python3 benchmarks/micro.py schedule >"$OUT/schedule.md" 2>&1
   summary+=("scheduler: $OUT/schedule.md")
 fi
 

@@ -14,7 +14,7 @@ import torch
 
 import pagedattn
 from pagedattn import checks
-from pagedattn.bench.providers import host_time_us
+from pagedattn.bench.timing import host_time_us
 from pagedattn.plan import allocate_plan
 
 FP8 = torch.float8_e4m3fn

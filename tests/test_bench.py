@@ -8,6 +8,7 @@ benchmark there.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import subprocess
@@ -22,7 +23,8 @@ from conftest import DEVICE
 from pagedattn.bench import cases, ceiling, providers, report, run, timing
 from pagedattn.bench import cli as bench
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 
 
 # -- cases --
@@ -500,6 +502,32 @@ def test_pagedattn_bench_help_from_the_command_line():
     )
     assert result.returncode == 0, result.stderr
     assert "usage: pagedattn bench" in result.stdout
+
+
+def test_micro_sweeps_command_line():
+    spec = importlib.util.spec_from_file_location("micro", ROOT / "benchmarks" / "micro.py")
+    micro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(micro)
+    parser = micro.build_parser()
+    args = parser.parse_args(["schedule"])
+    assert (args.run, args.batches, args.multipliers) == (
+        micro.schedule,
+        [1, 64, 256, 1024, 8192],
+        [1, 4],
+    )
+    assert args.windows == args.warps == args.locals == [None]
+    args = parser.parse_args(["reduce", "--shapes", "64x8192x4"])
+    assert (args.run, args.shapes, args.tiles.split(",")[0]) == (
+        micro.reduce,
+        [(64, 8192, 4)],
+        "auto",
+    )
+    args = parser.parse_args(["decode", "--page-alias", "0,8", "--reduce", "auto;16:32:8:1:4"])
+    assert args.run is micro.decode and args.shapes[0] == (128, 8192, 1)
+    assert (args.page_alias, args.maxnreg, args.tma, args.flags) == ([0, 8], [0], [1], ["11"])
+    assert args.reduce == ["auto", "16:32:8:1:4"] and args.programs is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["tune"])
 
 
 def test_list_cases_needs_no_gpu(capsys):

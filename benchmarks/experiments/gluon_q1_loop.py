@@ -8,7 +8,7 @@ Not the library's kernel, and not used by it: this Gluon loop is Hopper-specific
 bulk copies) and Triton's interpreter cannot run Gluon, which DESIGN.md rules out for the
 library (CI tests the real kernels on CPU). It measures how fast a q_len-1 loop streams when
 copies, barriers and the tensor-core path are explicit, against the Triton kernel's loop
-(`sweep_decode.py`).
+(`micro.py decode`).
 
 The loop, per 128-token tile of a 1024-token page (pages in random order): S^T = K Q^T on
 FP8 wgmma (keys as stored in shared memory, the query as two e4m3 terms), online softmax over

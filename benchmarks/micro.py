@@ -1,0 +1,334 @@
+"""Micro-sweeps of one launch at a time on a CUDA GPU (their figures: docs/performance-log.md).
+
+    python benchmarks/micro.py schedule [--batches 1,64,256,1024,8192] [--multipliers 1,4]
+        [--windows 16,32] [--warps 1,4] [--locals 1,4]
+    python benchmarks/micro.py reduce [--shapes 64x8192x1,...] [--tiles auto,16x32x8x4,...]
+    python benchmarks/micro.py decode [--shapes 128x8192x1,...] [--mults 1,2,4] ...
+
+Shapes are ``batch x context x query_len`` of the seed workload (16/1 heads, head_dim 128, FP8
+per-tensor, page 1024, bf16 query; ``pagedattn.bench.cases.Case``). GPU times are medians of
+CUDA-graph replays (``pagedattn.bench.timing``) of several calls per graph, divided by the calls;
+these graphs reuse one cache, so shapes under ~60 MB sit in L2: compare configs, not absolute
+speed. Run from the repository root with ``PYTHONPATH=$PWD/src:$PWD``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+
+import torch
+
+import pagedattn
+from pagedattn._cli_args import int_list
+from pagedattn.api import reduce_partials
+from pagedattn.bench.cases import KV_DTYPES, Case, kv_bytes
+from pagedattn.bench.ceiling import measure_read_gbps
+from pagedattn.bench.run import fixed_plan_call, make_cache, make_query
+from pagedattn.bench.timing import host_time_us, time_graph
+from pagedattn.launch import (
+    DecodeLaunchConfig,
+    ReduceLaunchConfig,
+    ScheduleLaunchConfig,
+    decode_launch_config,
+)
+from pagedattn.reference import paged_decode_torch, rel_error
+
+GRAPH_CALLS = 8  # calls per captured graph (reducer and decode)
+SCHEDULE_CALLS, SCHEDULE_REPLAYS = 20, 30  # plan_decode calls per graph, timed replays
+HOST_SAMPLES = 200
+REDUCE_TILES = (
+    "auto,16x16x8x4,16x16x16x4,16x16x32x4,16x32x8x4,16x32x16x4,16x32x16x8,16x64x8x4,"
+    "16x64x16x8,16x128x8x8,16x16x16x2,16x32x4x4"
+)
+
+
+def ints(text: str) -> list[int]:
+    """``"0,8"`` -> ``[0, 8]`` (zero and negative values allowed)."""
+    return [int(x) for x in text.split(",")]
+
+
+def shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"64x8192x1,16x32768x1"`` -> ``[(64, 8192, 1), (16, 32768, 1)]``."""
+    return [tuple(int(x) for x in shape.split("x")) for shape in text.split(",")]
+
+
+def schedule(args: argparse.Namespace) -> None:
+    """Scheduler cost: GPU time of ``plan_decode(reuse=)`` (graph replays of 20 calls, / 20, so
+    launch gaps are mostly hidden, as in a captured serving step) and the host time of one
+    eager call, fresh (argument checks, allocation, launch) and with ``reuse=``, synchronising
+    before each; random lengths in 1..32767."""
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    gen = torch.Generator(device=device).manual_seed(0)
+    print(
+        "| batch | programs | locals | window | warps | GPU µs (graph replay) "
+        "| host µs (plan_decode) | host µs (reuse=) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    default = ScheduleLaunchConfig()
+    for batch, mult, window, warps, locals_ in itertools.product(
+        args.batches, args.multipliers, args.windows, args.warps, args.locals
+    ):
+        config = ScheduleLaunchConfig(window=window or default.window, warps=warps, locals=locals_)
+        seq_lens = torch.randint(1, 32768, (batch,), generator=gen, device=device)
+        seq_lens = seq_lens.to(torch.int32)
+        step = Case(batch, context=32768, num_programs=sms * mult)  # the seed's shape
+        kw = dict(step.plan_kwargs(), schedule_config=config)
+        plan = pagedattn.plan_decode(seq_lens, **kw)
+
+        def fresh(seq_lens=seq_lens, kw=kw):
+            return pagedattn.plan_decode(seq_lens, **kw)
+
+        def refill(seq_lens=seq_lens, kw=kw, plan=plan):
+            return pagedattn.plan_decode(seq_lens, **kw, reuse=plan)
+
+        gpu = time_graph([refill] * SCHEDULE_CALLS, replays=SCHEDULE_REPLAYS).us_p50
+        host, host_reuse = host_time_us(fresh, HOST_SAMPLES), host_time_us(refill, HOST_SAMPLES)
+        shown_window = "whole" if batch <= config.whole else config.window
+        print(
+            f"| {batch} | {sms * mult} | {locals_ or 'auto'} | {shown_window} | {warps or 'auto'} "
+            f"| {gpu:.2f} | {host:.1f} | {host_reuse:.1f} |"
+        )
+
+
+def reduce(args: argparse.Namespace) -> None:
+    """The split reducer by itself: per shape (default plan), one ``paged_decode`` fills the
+    plan's partials, then the reducer alone is captured and replayed with each tile
+    ``BLOCK_RxBLOCK_DxSLOT_BLOCKxWARPS`` (``auto``: the library's choice); each tile's output
+    is checked against the default tile's (relative difference printed). The whole step with
+    the fixed plan is timed too, for scale."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("| shape | records (used / bound) | slots per record | tile | reduce µs | rel diff |")
+    print("|---|---|---|---|---|---|")
+    for batch, context, query_len in args.shapes:
+        shape = f"{batch}x{context}x{query_len}"
+        plan, args_, kw = fixed_plan_call(Case(batch, context, query_len), gen)
+        step = functools.partial(pagedattn.paged_decode, *args_, **kw)
+        step_us = time_graph([step] * GRAPH_CALLS).us_p50
+        ref = step()
+        torch.cuda.synchronize()
+        reduces = plan.reduces.cpu()
+        used = reduces[reduces[:, 0] >= 0]
+        n = used[:, 3]
+        slots = f"{n.float().mean():.1f} (max {int(n.max())})" if len(used) else "-"
+        records = f"{len(used)} / {plan.max_reduces}"
+        print(f"| {shape} | {records} | {slots} | whole step (fixed plan) | {step_us:.2f} | |")
+        if plan.max_reduces == 0:
+            continue
+        cut = torch.zeros(batch, dtype=torch.bool)
+        cut[used[:, 0].long()] = True
+        rows = cut.repeat_interleave(query_len)
+        for text in args.tiles.split(","):
+            tile = None
+            if text != "auto":
+                block_r, block_d, slot_block, warps = (int(x) for x in text.split("x"))
+                tile = ReduceLaunchConfig(block_r, block_d, slot_block, num_warps=warps)
+            out = torch.full_like(ref, float("nan"))
+            reduce_partials(plan, out, None, tile)
+            torch.cuda.synchronize()
+            diff = rel_error(out[rows], ref[rows])
+            alone = functools.partial(reduce_partials, plan, out, None, tile)
+            us = time_graph([alone] * GRAPH_CALLS).us_p50
+            print(f"| {shape} | {records} | {slots} | {text} | {us:.2f} | {diff:.1e} |")
+
+
+def decode(args: argparse.Namespace) -> None:
+    """Launch parameters of the decode kernel: ``paged_decode`` with a precomputed plan for
+    each grid x tile config on a few large shapes, in GB/s and % of the read ceiling measured
+    in the same run (``--check``: each config's error against the float64 reference too)."""
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ceiling, _ = measure_read_gbps(device=device)
+    print(f"read ceiling {ceiling:.0f} GB/s")
+    gen = torch.Generator(device=device).manual_seed(0)
+    kv_scale = args.scale if args.kv_dtype == "fp8" else None
+    grids = args.programs or [sms * m for m in args.mults]
+    rows = []
+    for batch, context, query_len in args.shapes:
+        shape = f"{batch}x{context}x{query_len}"
+        case = Case(
+            batch,
+            context,
+            query_len,
+            kv_dtype=args.kv_dtype,
+            kv_scale=kv_scale,
+            page_size=args.page_size,
+            q_dtype=args.q_dtype,
+        )
+        cache = make_cache(case, device, gen)
+        q = make_query(case, device, gen)
+        kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        refs = {}  # float64 reference per page alias, computed once (--check)
+        best = None
+        tails = args.tail_stages or [
+            decode_launch_config(
+                head_dim=case.head_dim,
+                rows=query_len * case.num_q_heads // case.num_kv_heads,
+                kv_dtype=KV_DTYPES[case.kv_dtype],
+                partition_size=256,
+            ).tail_stages
+        ]
+        for params in itertools.product(
+            args.page_alias,
+            args.flags,
+            grids,
+            args.block_n,
+            args.warps,
+            [bool(x) for x in args.tma],
+            args.stages,
+            tails,
+            args.maxnreg,
+            args.chunk,
+            args.reduce,
+            args.partition,
+        ):
+            alias, flags, programs, bn, warps, tma, stages, tail, regs, chunk, red, part = params
+            table = cache.block_table % alias if alias else cache.block_table
+            a = (q, cache.k_cache, cache.v_cache, table, cache.seq_lens)
+            if args.check and alias not in refs:
+                refs[alias] = paged_decode_torch(*a, **kw)
+            ref = refs.get(alias)
+            plan = pagedattn.plan_decode(
+                cache.seq_lens,
+                **dataclasses.replace(case, num_programs=programs).plan_kwargs(),
+                partition_size=part,
+            )
+            cfg = DecodeLaunchConfig(
+                block_n=bn,
+                num_warps=warps,
+                num_stages=stages,
+                tail_stages=tail,
+                tma=tma,
+                unmasked_loop=flags[0] == "1",
+                qk_fp16=flags[1] == "1",
+                qk_fp8=flags[2:3] == "1",
+                head_chunk=chunk,
+                maxnreg=regs or None,
+                reduce=None
+                if red == "auto"
+                else ReduceLaunchConfig(*(int(x) for x in red.split(":"))),
+            )
+            step = functools.partial(pagedattn.paged_decode, *a, plan=plan, launch_config=cfg, **kw)
+            try:
+                us = time_graph([step] * GRAPH_CALLS).us_p50
+            except Exception as exc:  # a config that does not compile (shared memory, ...)
+                print(
+                    f"{shape} programs {programs} {cfg}: failed: {type(exc).__name__}: {exc}"[:200]
+                )
+                continue
+            if ref is not None:
+                out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=device)
+                step(out=out)
+                err = rel_error(out, ref)
+                print(f"{shape} flags {flags} chunk {chunk}: rel err {err:.3e}")
+            gbps = kv_bytes(case) / us / 1e3
+            row = (shape, *params, us, gbps, 100 * gbps / ceiling)  # the header's order
+            rows.append(row)
+            print(row, flush=True)
+            if best is None or row[-3] < best[-3]:  # fastest
+                best = row
+        print("best:", best)
+    print(
+        "| shape | page alias | flags | programs | block_n | warps | tma | stages | tail stages "
+        "| maxnreg | chunk | reduce | partition | µs | GB/s | % read |"
+    )
+    print("|---" * len(rows[0] if rows else range(16)) + "|")
+    for r in rows:
+        print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/micro.py", description=__doc__.splitlines()[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(function, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(function.__name__, help=help_text, description=function.__doc__)
+        p.set_defaults(run=function)
+        return p
+
+    p = command(schedule, "the scheduler's GPU and host time")
+    p.add_argument("--batches", type=int_list, default="1,64,256,1024,8192")
+    p.add_argument("--multipliers", type=int_list, default="1,4", help="programs per SM")
+    p.add_argument(
+        "--windows",
+        type=int_list,
+        default=[None],
+        help="sequences per step of the works writer to compare (default: the library's)",
+    )
+    p.add_argument("--warps", type=int_list, default=[None], help="scheduler warps to compare")
+    p.add_argument(
+        "--locals",
+        type=int_list,
+        default=[None],
+        help="decode programs per scheduler program to compare",
+    )
+
+    p = command(reduce, "the split reducer alone, per tile")
+    p.add_argument(
+        "--shapes", type=shapes, default="1x1024x1,16x8192x1,64x8192x1,16x32768x1,64x8192x4"
+    )
+    p.add_argument("--tiles", default=REDUCE_TILES)
+
+    p = command(decode, "the decode kernel's launch parameters")
+    p.add_argument("--shapes", type=shapes, default="128x8192x1,128x8192x4,16x32768x1")
+    p.add_argument("--scale", default="per_tensor", choices=("per_tensor", "per_token"))
+    p.add_argument("--mults", type=int_list, default="1,2,4", help="programs per SM")
+    p.add_argument(
+        "--programs", type=int_list, help="program counts to sweep instead of --mults x SMs"
+    )
+    p.add_argument("--block-n", type=int_list, default="64,128")
+    p.add_argument("--warps", type=int_list, default="4,8")
+    p.add_argument("--tma", type=ints, default="1", help="1: bulk copies, 0: gathers")
+    p.add_argument(
+        "--flags",
+        type=lambda text: text.split(","),
+        default="11",
+        help="unmasked_loop,qk_fp16[,qk_fp8] bits per config, e.g. 11,10,01,00,111",
+    )
+    p.add_argument("--q-dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--stages", type=int_list, default="2")
+    p.add_argument(
+        "--tail-stages",
+        type=int_list,
+        help="stages of the masked tail loop; default: the library's for the shape's rows",
+    )
+    p.add_argument("--maxnreg", type=ints, default="0", help="register caps; 0 = none")
+    p.add_argument("--chunk", type=int_list, default="64", help="head_dim chunk widths")
+    p.add_argument("--page-size", type=int, default=1024)
+    p.add_argument("--partition", type=int_list, default="256", help="partition sizes (tokens)")
+    p.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16"])
+    p.add_argument(
+        "--reduce",
+        type=lambda text: text.split(";"),
+        default="auto",
+        help="reducer tiles, ';'-separated: auto (the default heuristic) or "
+        "block_r:block_d:slot_block:stages:warps",
+    )
+    p.add_argument(
+        "--page-alias",
+        type=ints,
+        default="0",
+        help="page counts, e.g. 0,8: 0 reads the cache as built; N > 0 maps every block-table "
+        "entry to one of the first N page ids (L2-resident for small N; with lengths that are "
+        "multiples of the page size every page is full), timing the kernel without DRAM",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also print each config's relative error against the float64 reference",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
