@@ -36,11 +36,11 @@ def gen(request):
     return g
 
 
-@pytest.fixture(params=["triton", "auto"] if ON_GPU else ["auto"])
+@pytest.fixture(params=["triton", "gluon"] if ON_GPU else ["triton"])
 def each_backend(request):
     """Runs a test once per kernel family: on a GPU with the portable family, then with the
-    default choice (the Hopper family where it covers the call); through the interpreter
-    once (only the portable family runs there). A module opts in with
+    Hopper family wherever it covers the call; through the interpreter once (only the
+    portable family runs there). A module opts in with
     ``pytestmark = pytest.mark.usefixtures("each_backend")``."""
     from pagedattn.api import using_backend
 

@@ -343,8 +343,9 @@ def test_gluon_backend_needs_the_gpu(gen):
     args, kw = _small_call(head_dim=64, page_size=16, gen=gen)
     with pytest.raises(ValueError, match="Hopper family expects a CUDA device"):
         pagedattn.paged_decode(*args, **kw, backend="gluon")
-    # "auto" takes the portable family here, and so does the default.
-    out = pagedattn.paged_decode(*args, **kw, backend="auto")
+    # "auto" takes the portable family here, even when the Hopper family is preferred.
+    with pagedattn.api.using_backend("gluon"):
+        out = pagedattn.paged_decode(*args, **kw, backend="auto")
     assert torch.equal(out, pagedattn.paged_decode(*args, **kw, backend="triton"))
 
 
@@ -366,14 +367,21 @@ def _is_hopper():
 
 @requires_gpu
 @pytest.mark.skipif(not _is_hopper(), reason="the Hopper family runs on sm_90")
-def test_auto_takes_the_hopper_family_where_it_covers(gen):
+def test_auto_takes_the_preferred_family(gen):
     args, kw = _small_call(gen=gen)
     gluon = pagedattn.paged_decode(*args, **kw, backend="gluon")
     triton_out = pagedattn.paged_decode(*args, **kw, backend="triton")
-    auto = pagedattn.paged_decode(*args, **kw)
-    assert torch.equal(auto, gluon)
     ref = paged_decode_torch(*args, **kw)
     assert rel_error(gluon, ref) < TOL and rel_error(triton_out, ref) < TOL
+    assert not torch.equal(gluon, triton_out)  # the families' arithmetic differs
+    default = {"triton": triton_out, "gluon": gluon}[pagedattn.api.AUTO_FAMILY]
+    assert torch.equal(pagedattn.paged_decode(*args, **kw), default)
+    with pagedattn.api.using_backend("gluon"):
+        assert torch.equal(pagedattn.paged_decode(*args, **kw), gluon)
+        # Where the Hopper family does not cover the call, the preference falls back.
+        other, other_kw = _small_call(head_dim=64, page_size=16, gen=gen)
+        fallback = pagedattn.paged_decode(*other, **other_kw)
+        assert torch.equal(fallback, pagedattn.paged_decode(*other, **other_kw, backend="triton"))
     with pagedattn.api.using_backend("triton"):
         assert torch.equal(pagedattn.paged_decode(*args, **kw), triton_out)
 
