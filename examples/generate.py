@@ -12,7 +12,9 @@ paged cache (pages handed out by a small block allocator, in shuffled order) and
   ``pagedattn.paged_decode`` with the step's plan (made once per step, reused by every layer).
 
 With a bf16 cache the tokens are checked against ``model.generate(do_sample=False)`` with
-transformers' sdpa attention, prompt by prompt; the exit code is 0 only when they match. On a
+transformers' sdpa attention, prompt by prompt; the exit code is 0 when they match, or when
+they part only at a near tie (transformers' own top two logits closer than the logit
+difference seen up to that step, so rounding picks the token; reported as such). On a
 GPU the decode step (plan refill, cache writes, the model, argmax) is captured in one CUDA graph
 and replayed (``--cuda-graph``, default on with CUDA).
 
@@ -375,23 +377,37 @@ def main(argv=None) -> int:
 
     count = len(prompts) * new_tokens
     match = tokens == ref_tokens
-    # Step i's logits are comparable while the tokens before it agree.
-    diffs = []
-    for mine, theirs, a, b in zip(logits, ref_logits, tokens, ref_tokens):
-        agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a) - 1)
-        diffs.append(float((mine[: agree + 1] - theirs[: agree + 1]).abs().max()))
+    # Step i's logits are comparable while the tokens before it agree. Where the tokens part,
+    # transformers' own top two logits at that step say whether it was a near tie: closer than
+    # the logit difference seen so far, so rounding decides the pick.
+    diffs, ties = [], []
+    for b, (mine, theirs, x, y) in enumerate(zip(logits, ref_logits, tokens, ref_tokens)):
+        agree = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        last = len(x) - 1 if agree is None else agree
+        diff = float((mine[: last + 1] - theirs[: last + 1]).abs().max())
+        diffs.append(diff)
+        if agree is not None:
+            top2 = theirs[agree].float().topk(2).values
+            margin = float(top2[0] - top2[1])
+            ties.append((b, agree, margin, diff, margin <= diff))
     mode = "CUDA graph" if args.cuda_graph else "eager"
     print(f"device: {device}, kv cache: {args.kv_cache}, decode steps: {mode}")
     for b, (mine, theirs) in enumerate(zip(tokens, ref_tokens)):
         print(f"sequence {b}: pagedattn {mine}")
         print(f"{'':12}transformers {theirs}")
     print(f"tokens match: {match}")
+    for b, step, margin, diff, tie in ties:
+        print(
+            f"sequence {b} parts at step {step}: transformers' top two logits {margin:.4g} apart, "
+            f"logits so far within {diff:.4g}: {'a near tie' if tie else 'NOT a near tie'}"
+        )
     print(f"max logit difference: {max(diffs, default=float('nan')):.4g}")
     print(f"pagedattn: {count / paged_time:.1f} tokens/s ({count} tokens in {paged_time:.2f} s)")
     print(f"transformers generate (sdpa): {count / ref_time:.1f} tokens/s ({ref_time:.2f} s)")
     if args.kv_cache == "fp8":
         return 0  # FP8 rounding may change tokens: reported, not required
-    return 0 if match else 1
+    # bf16: the same tokens, or a parting only where rounding decides between two tokens.
+    return 0 if all(tie for *_, tie in ties) else 1
 
 
 if __name__ == "__main__":
