@@ -41,19 +41,42 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 SCHEMA_LINE = f"# pagedattn-tuning v{SCHEMA_VERSION}"
-KEY_COLUMNS = (
-    "device_name",
-    "sm_count",
-    "query_len",
-    "num_q_heads",
-    "num_kv_heads",
-    "head_dim",
-    "page_size",
-    "kv_dtype",
-    "kv_scale",
-    "batch_bucket",
-    "context_bucket",
-)
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """The key of a row: device, step shape and workload buckets, normalised on construction
+    as cells are on read (``kv_dtype=torch.bfloat16`` becomes ``"bf16"``, ``kv_scale=None``
+    ``"none"``); ValueError naming the field if one cannot be."""
+
+    device_name: str
+    sm_count: int
+    query_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    kv_dtype: str
+    kv_scale: str
+    batch_bucket: int
+    context_bucket: int
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            try:
+                value = _value(field.name, getattr(self, field.name))
+            except ValueError as exc:
+                raise ValueError(f"TuningKey.{field.name}: {exc}") from None
+            object.__setattr__(self, field.name, value)
+
+    @classmethod
+    def from_batch(cls, *, batch_size: int, max_seq_len: int, **shape: Any) -> TuningKey:
+        """The key of a batch of ``batch_size`` sequences whose longest has ``max_seq_len``
+        tokens; ``shape`` gives the other fields (``kv_dtype`` may be a torch dtype)."""
+        return cls(**shape, batch_bucket=bucket(batch_size), context_bucket=bucket(max_seq_len))
+
+
+KEY_COLUMNS = tuple(field.name for field in fields(TuningKey))
 COLUMNS = (
     *KEY_COLUMNS,
     "grid_multiplier",
@@ -70,8 +93,8 @@ DEFAULT_GRID: tuple[int | None, int | None] = (None, None)
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 USER_TABLE_ENV = "PAGEDATTN_TUNING_TABLE"
 
-_COUNTS = {*KEY_COLUMNS[1:7], "batch_bucket", "context_bucket", "grid_multiplier"}
 _POWERS_OF_TWO = {"batch_bucket", "context_bucket", "partition_size"}
+_COUNTS = {*KEY_COLUMNS[1:7], *_POWERS_OF_TWO, "grid_multiplier"}
 _TIMES = {"tuned_us", "default_us"}
 _CHOICES = {
     "kv_dtype": ("bf16", "fp16", "fp8_e4m3"),
@@ -119,7 +142,7 @@ def _value(column: str, value: Any) -> Any:
         if not (math.isfinite(us) and us >= 0):
             raise ValueError(f"expected a time in microseconds (>= 0) or empty, got {text!r}")
         return us
-    if column in _COUNTS or column in _POWERS_OF_TWO:
+    if column in _COUNTS:
         if not (text.isascii() and text.isdigit()) or int(text) < 1:
             raise ValueError(f"expected a positive integer, got {text!r}")
         if column in _POWERS_OF_TWO and int(text) & (int(text) - 1):
@@ -171,39 +194,6 @@ def bucket(n: int) -> int:
     if n < 1:
         raise ValueError(f"bucket: n must be >= 1, got {n}")
     return 1 << (n - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class TuningKey:
-    """The key of a row: device, step shape and workload buckets, normalised on construction
-    as cells are on read (``kv_dtype=torch.bfloat16`` becomes ``"bf16"``, ``kv_scale=None``
-    ``"none"``); ValueError naming the field if one cannot be."""
-
-    device_name: str
-    sm_count: int
-    query_len: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    kv_dtype: str
-    kv_scale: str
-    batch_bucket: int
-    context_bucket: int
-
-    def __post_init__(self) -> None:
-        for field in fields(self):
-            try:
-                value = _value(field.name, getattr(self, field.name))
-            except ValueError as exc:
-                raise ValueError(f"TuningKey.{field.name}: {exc}") from None
-            object.__setattr__(self, field.name, value)
-
-    @classmethod
-    def from_batch(cls, *, batch_size: int, max_seq_len: int, **shape: Any) -> TuningKey:
-        """The key of a batch of ``batch_size`` sequences whose longest has ``max_seq_len``
-        tokens; ``shape`` gives the other fields (``kv_dtype`` may be a torch dtype)."""
-        return cls(**shape, batch_bucket=bucket(batch_size), context_bucket=bucket(max_seq_len))
 
 
 def read_table(path: str | os.PathLike) -> list[dict[str, Any]]:

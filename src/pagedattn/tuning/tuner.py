@@ -33,7 +33,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+import triton
 
+import pagedattn
 from pagedattn._cli_args import choice_list, int_list, positive
 from pagedattn.bench import run, timing
 from pagedattn.bench.cases import (
@@ -48,7 +50,7 @@ from pagedattn.bench.cases import (
 from pagedattn.bench.providers import PROVIDERS, Inputs
 from pagedattn.launch import default_grid_multiplier, default_num_programs, sm_count
 from pagedattn.reference import rel_error
-from pagedattn.tuning.table import COLUMNS, bucket, shipped_table_path, upsert, user_table_path
+from pagedattn.tuning.table import COLUMNS, TuningKey, shipped_table_path, upsert, user_table_path
 
 MAX_COPIES = 64  # KV copies per graph at most (tiny shapes)
 REPLAYS_PER_ROUND = 10
@@ -176,46 +178,29 @@ def tune_shape(
 
 
 def make_row(
-    result: ShapeResult,
-    *,
-    device_name: str,
-    sm_count: int,
-    date: str | None = None,
-    pagedattn_version: str | None = None,
-    triton_version: str | None = None,
+    result: ShapeResult, *, device_name: str, sm_count: int, date: str | None = None
 ) -> dict[str, Any]:
-    """The tuning-table row (every column of ``COLUMNS``) of a tuned shape."""
-    if pagedattn_version is None:
-        import pagedattn
-
-        pagedattn_version = pagedattn.__version__
-    if triton_version is None:
-        import triton
-
-        triton_version = triton.__version__
-    s = result.shape
-    row = dict(
+    """The tuning-table row of a tuned shape: its key as the planner makes it, the choice, the
+    times and the provenance."""
+    shape = result.shape
+    model = {k: v for k, v in shape.plan_kwargs().items() if k != "num_programs"}
+    key = TuningKey.from_batch(
         device_name=device_name,
         sm_count=sm_count,
-        query_len=s.query_len,
-        num_q_heads=s.num_q_heads,
-        num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        page_size=s.page_size,
-        kv_dtype="fp8_e4m3" if s.kv_dtype == "fp8" else s.kv_dtype,  # the table's spellings
-        kv_scale=s.kv_scale or "none",
-        batch_bucket=bucket(s.batch),
-        context_bucket=bucket(s.context),
+        batch_size=shape.batch,
+        max_seq_len=shape.context,
+        **model,
+    )
+    return dict(
+        vars(key),
         grid_multiplier=result.chosen,
         partition_size=None,
         tuned_us=round(result.tuned_us, 3),
         default_us=round(result.default_us, 3),
-        pagedattn_version=pagedattn_version,
-        triton_version=triton_version,
+        pagedattn_version=pagedattn.__version__,
+        triton_version=triton.__version__,
         date=date or datetime.date.today().isoformat(),
     )
-    assert tuple(row) == COLUMNS
-    return row
 
 
 class CudaBackend:
