@@ -5,6 +5,7 @@ made before Triton is imported, hence here.
 """
 
 import os
+import types
 import zlib
 
 import torch
@@ -53,3 +54,20 @@ def pytest_xdist_auto_num_workers(config):
     share (memory, compile cache), at most four."""
     cores = os.cpu_count() or 1
     return min(cores, 4) if ON_GPU else cores
+
+
+@pytest.fixture
+def tuning_tables(tmp_path, monkeypatch):
+    """The user table, the shipped tables' folder and the lookup cache, private to the test:
+    ``.user`` (not yet written), ``.shipped`` (the H200's, not yet written), ``.tmp``."""
+    from pagedattn import tuning
+    from pagedattn.tuning import table
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    user = tmp_path / "user" / "tuning.csv"
+    monkeypatch.setenv("PAGEDATTN_TUNING_TABLE", str(user))
+    monkeypatch.setattr(table, "CONFIGS_DIR", configs)
+    tuning.clear_cache()
+    yield types.SimpleNamespace(user=user, shipped=configs / "nvidia_h200.csv", tmp=tmp_path)
+    tuning.clear_cache()

@@ -184,28 +184,18 @@ def test_summarize_gives_median_and_quantiles():
 
 # -- providers --
 
+OURS = ["pagedattn", "pagedattn-decode", "pagedattn-tuned", "pagedattn-triton"]
+PEERS = ["flashinfer", "xqa"]
+
 
 def test_registry_names_and_roles():
-    assert list(providers.PROVIDERS) == [
-        "pagedattn",
-        "pagedattn-decode",
-        "pagedattn-tuned",
-        "pagedattn-triton",
-        "flashinfer",
-        "xqa",
-        "torch-reference",
-    ]
+    assert list(providers.PROVIDERS) == [*OURS, *PEERS, "torch-reference"]
     for name, provider in providers.PROVIDERS.items():
         assert provider.name == name
         ok, why = provider.available()
         assert isinstance(ok, bool) and isinstance(why, str)
-    assert providers.peers() == ["flashinfer", "xqa"]
-    assert providers.ours() == [
-        "pagedattn",
-        "pagedattn-decode",
-        "pagedattn-tuned",
-        "pagedattn-triton",
-    ]
+    assert providers.peers() == PEERS
+    assert providers.ours() == OURS
     assert not providers.PROVIDERS["torch-reference"].timed
 
 
@@ -227,14 +217,7 @@ def test_flashinfer_skips_per_token_scales():
 def test_unknown_provider_is_a_usage_error():
     with pytest.raises(run.UsageError, match="unknown"):
         run.resolve_providers("pagedattn,vllm")
-    assert run.resolve_providers(None) == [
-        "pagedattn",
-        "pagedattn-decode",
-        "pagedattn-tuned",
-        "pagedattn-triton",
-        "flashinfer",
-        "xqa",
-    ]
+    assert run.resolve_providers(None) == [*OURS, *PEERS]  # every timed one
     assert run.resolve_providers("flashinfer, pagedattn") == ["pagedattn", "flashinfer"]
 
 

@@ -4,7 +4,6 @@ Only ``test_tunes_one_shape_on_gpu`` times real kernels (skipped on CPU).
 """
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,16 +27,8 @@ ONE_SHAPE = ["--batch", "16", "--context", "8192"]
 
 
 @pytest.fixture(autouse=True)
-def tables(tmp_path, monkeypatch):
-    """User table, shipped tables and the lookup cache all private to the test."""
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    user = tmp_path / "user" / "tuning.csv"
-    monkeypatch.setenv("PAGEDATTN_TUNING_TABLE", str(user))
-    monkeypatch.setattr(tuning_table, "CONFIGS_DIR", configs)
-    tuning_table.clear_cache()
-    yield SimpleNamespace(user=user, shipped=configs / "nvidia_h200.csv", tmp=tmp_path)
-    tuning_table.clear_cache()
+def tables(tuning_tables):
+    return tuning_tables
 
 
 class FakeBackend:

@@ -8,7 +8,6 @@ import re
 import tempfile
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,17 +23,10 @@ REAL_RUNNING_VERSION = tuning_table._running_version
 
 
 @pytest.fixture(autouse=True)
-def tables(tmp_path, monkeypatch):
-    """Point the user and shipped tables at fresh temporary paths; pin the running version."""
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    user = tmp_path / "user" / "tuning.csv"
-    monkeypatch.setenv("PAGEDATTN_TUNING_TABLE", str(user))
-    monkeypatch.setattr(tuning_table, "CONFIGS_DIR", configs)
+def tables(tuning_tables, monkeypatch):
+    """Fresh user and shipped tables (``tuning_tables``) and a pinned running version."""
     monkeypatch.setattr(tuning_table, "_running_version", lambda: RUNNING_VERSION)
-    tuning.clear_cache()
-    yield SimpleNamespace(user=user, shipped=configs / "nvidia_h200.csv")
-    tuning.clear_cache()
+    return tuning_tables
 
 
 def make_row(**overrides):

@@ -258,15 +258,11 @@ def write_plots(
     ncols = min(2, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     styles = ["-o", "--s", ":^", "-.v", "-D"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-
-    # -- time vs context --
-    fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, 4.5 * nrows), squeeze=False)
     batches = sorted({int(r["batch"]) for r in timed})
     colors = plt.get_cmap("viridis")([i / max(1, len(batches) - 1) for i in range(len(batches))])
-    for ax, key in zip(axes.flat, panels):
-        panel = [r for r in timed if _panel_key(r) == key]
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def time_panel(ax, panel: list[dict]) -> tuple[int, int]:
         for pi, provider in enumerate(providers):
             for bi, batch in enumerate(batches):
                 mine = [r for r in panel if r["provider"] == provider and int(r["batch"]) == batch]
@@ -275,14 +271,9 @@ def write_plots(
                 )
                 if fixed:
                     xs, ys = zip(*fixed)
-                    ax.plot(
-                        xs,
-                        ys,
-                        styles[pi % len(styles)],
-                        color=colors[bi],
-                        label=f"{provider} b{batch}",
-                        markersize=4,
-                    )
+                    style = styles[pi % len(styles)]
+                    label = f"{provider} b{batch}"
+                    ax.plot(xs, ys, style, color=colors[bi], label=label, markersize=4)
                 # A ragged batch: one star at its mean length.
                 for r in (r for r in mine if r["seq_lens"] != "fixed"):
                     ax.plot(
@@ -298,45 +289,39 @@ def write_plots(
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens per sequence)")
         ax.set_ylabel("µs per step (median)")
-        ax.set_title(_panel_title(key))
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, ncol=2)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    path = out_dir / f"{name}_time.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+        return 6, 2  # legend font size, columns
 
-    # -- % of read ceiling vs KV bytes --
-    fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, 4.5 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, panels):
-        panel = [r for r in timed if _panel_key(r) == key and r.get("pct_read_ceiling") is not None]
+    def ceiling_panel(ax, panel: list[dict]) -> tuple[int, int]:
+        panel = [r for r in panel if r.get("pct_read_ceiling") is not None]
         for pi, provider in enumerate(providers):
             pts = sorted(
                 (r["kv_mb"], r["pct_read_ceiling"]) for r in panel if r["provider"] == provider
             )
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(
-                    xs, ys, styles[pi % len(styles)], color=f"C{pi}", label=provider, markersize=4
-                )
+                style = styles[pi % len(styles)]
+                ax.plot(xs, ys, style, color=f"C{pi}", label=provider, markersize=4)
         ax.set_xscale("log")
         # Above 100% only when a small cache stayed in L2: shown, not clipped.
         ax.set_ylim(0, max([100.0, *(1.05 * r["pct_read_ceiling"] for r in panel)]))
         ax.set_xlabel("KV MB read per step")
         ax.set_ylabel("% of measured read ceiling")
-        ax.set_title(_panel_title(key))
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    path = out_dir / f"{name}_ceiling.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+        return 7, 1
+
+    written = []
+    for suffix, draw in (("time", time_panel), ("ceiling", ceiling_panel)):
+        fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, 4.5 * nrows), squeeze=False)
+        for ax, key in zip(axes.flat, panels):
+            fontsize, legend_columns = draw(ax, [r for r in timed if _panel_key(r) == key])
+            ax.set_title(_panel_title(key))
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=fontsize, ncol=legend_columns)
+        for ax in list(axes.flat)[len(panels) :]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        path = out_dir / f"{name}_{suffix}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
     return written
