@@ -235,14 +235,7 @@ def build_paged_cache(
         raise ValueError(f"seq_lens: expected lengths >= 0, got {lengths}")
 
     pages_per_seq = [math.ceil(n / page_size) for n in lengths]
-    needed = max(pages_per_seq, default=0)
-    if max_pages_per_seq is None:
-        max_pages_per_seq = max(1, needed)
-    elif max_pages_per_seq < needed:
-        raise ValueError(
-            f"max_pages_per_seq: expected >= {needed} (the most pages a sequence owns), "
-            f"got {max_pages_per_seq}"
-        )
+    max_pages_per_seq = _table_width(max_pages_per_seq, max(pages_per_seq, default=0))
     num_owned = sum(pages_per_seq)
     num_pages = num_owned + extra_pages
     random_device = generator.device if generator is not None else torch.device(device)
@@ -391,15 +384,21 @@ def indptr_to_block_table(
         )
     if counts.numel() and bool((counts < 0).any()):
         raise ValueError(f"kv_indptr: expected non-decreasing values, got {indptr.tolist()}")
-    needed = int(counts.max()) if counts.numel() else 0
-    if max_pages_per_seq is None:
-        max_pages_per_seq = max(1, needed)
-    elif max_pages_per_seq < needed:
-        raise ValueError(
-            f"max_pages_per_seq: expected >= {needed} (the most pages a sequence has), "
-            f"got {max_pages_per_seq}"
-        )
+    max_pages_per_seq = _table_width(max_pages_per_seq, int(counts.max()) if counts.numel() else 0)
     table = torch.zeros(len(counts), max_pages_per_seq, dtype=torch.int32, device=device)
     owned = torch.arange(max_pages_per_seq, device=device) < counts.unsqueeze(1)
     table[owned] = kv_page_indices.to(device=device, dtype=torch.int32)
     return table
+
+
+def _table_width(max_pages_per_seq: int | None, needed: int) -> int:
+    """A block table's columns: ``max_pages_per_seq`` (at least ``needed``, the most pages a
+    sequence has), by default ``needed`` (at least 1)."""
+    if max_pages_per_seq is None:
+        return max(1, needed)
+    if max_pages_per_seq < needed:
+        raise ValueError(
+            f"max_pages_per_seq: expected >= {needed} (the most pages a sequence has), "
+            f"got {max_pages_per_seq}"
+        )
+    return max_pages_per_seq
