@@ -1,8 +1,9 @@
 """The tuning table (CSV, one per device, plus a user file) and its offline tuner.
 
-The planner asks ``lookup_grid`` for a shape's grid size; ``pagedattn tune`` times candidates
-in CUDA graphs and writes with ``upsert``. Nothing here is imported by the kernels; the
-launch configs the table feeds live in ``pagedattn.launch``. See ``table`` for the format.
+The planner asks ``lookup_grid`` for a shape's grid size, the library's only use of this
+package; ``pagedattn tune`` (``tuner``) times candidates as ``pagedattn.bench`` times a step and
+writes with ``upsert``. The launch configs the table feeds live in ``pagedattn.launch``. See
+``table`` for the format.
 """
 
 from pagedattn.tuning.table import (

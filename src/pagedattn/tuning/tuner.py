@@ -3,7 +3,7 @@
 For each shape (a benchmark :class:`~pagedattn.bench.cases.Case`), every candidate grid
 multiplier ``m`` is timed as one whole decode step (``plan_decode(..., num_programs=sm_count *
 m)``, then ``paged_decode`` with that plan, its reducer included) the way the benchmark times
-it: captured in a CUDA graph over disjoint KV copies (at least 256 MB of them, at most 64),
+it: captured in a CUDA graph over disjoint KV copies (2 to 64 of them, enough for 256 MB),
 replayed ``--rounds`` times ``REPLAYS_PER_ROUND`` replays; a candidate's time is the median.
 
 The default multiplier (the planner's, for the shape's query rows) is timed twice, first and
