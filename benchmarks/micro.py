@@ -4,6 +4,8 @@
         [--windows 16,32] [--warps 1,4] [--locals 1,4]
     python benchmarks/micro.py reduce [--shapes 64x8192x1,...] [--tiles auto,16x32x8x4,...]
     python benchmarks/micro.py decode [--shapes 128x8192x1,...] [--mults 1,2,4] ...
+    python benchmarks/micro.py gluon [--shapes 128x8192x1,...] [--configs 264:2:0,...]
+    python benchmarks/micro.py features [--shapes 64x8192,...] [--query-lens 1,4]
 
 Shapes are ``batch x context x query_len`` of the seed workload (16/1 heads, head_dim 128, FP8
 per-tensor, page 1024, bf16 query; ``pagedattn.bench.cases.Case``). GPU times are medians of
@@ -26,7 +28,7 @@ from pagedattn._cli_args import int_list
 from pagedattn.api import reduce_partials
 from pagedattn.bench.cases import KV_DTYPES, Case, kv_bytes
 from pagedattn.bench.ceiling import measure_read_gbps
-from pagedattn.bench.run import fixed_plan_call, make_cache, make_query
+from pagedattn.bench.run import ERROR_BOUNDS, fixed_plan_call, make_cache, make_query
 from pagedattn.bench.timing import host_time_us, time_graph
 from pagedattn.launch import (
     DecodeLaunchConfig,
@@ -240,6 +242,139 @@ def decode(args: argparse.Namespace) -> None:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 
 
+def gluon(args: argparse.Namespace) -> None:
+    """The Hopper family against the portable one: ``paged_decode`` with a precomputed plan
+    (the portable family at its default grid and partition, the Hopper family at each
+    ``programs:stages:maxnreg`` config with ``--partition``), µs, GB/s, % of the read ceiling
+    measured in the same run and the relative error against the float64 reference."""
+    from pagedattn._kernels import gluon_decode
+
+    device = torch.device("cuda")
+    ceiling, _ = measure_read_gbps(device=device)
+    print(f"read ceiling {ceiling:.0f} GB/s")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for (batch, context, query_len), scale in itertools.product(args.shapes, args.scales):
+        case = Case(batch, context, query_len, kv_scale=scale)
+        cache = make_cache(case, device, gen)
+        q = make_query(case, device, gen)
+        a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+        kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        ref = paged_decode_torch(*a, **kw)
+        configs = [("triton", None, None, None)] + [("gluon", *c) for c in args.configs]
+        for backend, programs, stages, maxnreg in configs:
+            if backend == "triton":
+                plan = pagedattn.plan_decode(cache.seq_lens, **case.plan_kwargs())
+                step = functools.partial(pagedattn.paged_decode, *a, plan=plan, **kw)
+            else:
+                fixed = dataclasses.replace(case, num_programs=programs).plan_kwargs()
+                plan = pagedattn.plan_decode(cache.seq_lens, **fixed, partition_size=args.partition)
+                step = functools.partial(
+                    gluon_decode.gluon_paged_decode,
+                    *a,
+                    plan,
+                    stages=stages,
+                    half=args.half,
+                    maxnreg=maxnreg or None,
+                    **kw,
+                )
+            label = f"{case.describe()} {backend} {programs}:{stages}:{maxnreg}"
+            try:
+                us = time_graph([step] * GRAPH_CALLS).us_p50
+                out = torch.full_like(q, float("nan"))
+                step(out=out)
+                err = rel_error(out, ref)
+            except Exception as exc:  # a config that does not build or fit: say so, go on
+                print(f"{label}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            pct = 100 * kv_bytes(case) / us / 1e3 / ceiling
+            rows.append((f"{batch}x{context}x{query_len}", scale, backend, programs, stages,
+                         maxnreg, us, pct, err))  # fmt: skip
+            print(f"{label}: {us:.1f} us {pct:.1f}% err {err:.2e}", flush=True)
+    print("| shape | scale | family | programs | stages | maxnreg | µs | % read | rel err |")
+    print("|---" * 9 + "|")
+    for shape, scale, backend, n, st, r, us, pct, err in rows:
+        print(
+            f"| {shape} | {scale} | {backend} | {n or 'default'} | {st or ''} | {r or ''} "
+            f"| {us:.1f} | {pct:.1f} | {err:.2e} |"
+        )
+
+
+def features(args: argparse.Namespace) -> None:
+    """What each serving feature costs against the plain step: the whole step (``plan_decode``
+    + ``paged_decode``) plain, with ``sinks``, ``logits_soft_cap`` (30), both, a batch-invariant
+    plan, and ragged query rows (``query_start_loc``: 2 and 4 rows alternating, plan
+    query_len 4) beside the uniform step with as many rows (query_len 3); each output checked
+    against the float64 reference first."""
+    device = torch.device("cuda")
+    ceiling, _ = measure_read_gbps(device=device)
+    print(f"read ceiling {ceiling:.0f} GB/s")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for batch, context in args.shapes:
+        base = Case(batch, context)
+        cache = make_cache(base, device, gen)
+        kv = (cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        sinks = torch.randn(base.num_q_heads, generator=gen, device=device)
+        counts = torch.tensor([2, 4] * (batch // 2) + [3] * (batch % 2), dtype=torch.int32)
+        starts = torch.zeros(batch + 1, dtype=torch.int32)
+        starts[1:] = torch.cumsum(counts, 0)
+        variants = [
+            (query_len, name, call, plan)
+            for query_len in args.query_lens
+            for name, call, plan in (
+                ("plain", {}, {}),
+                ("sinks", dict(sinks=sinks), {}),
+                ("soft cap", dict(logits_soft_cap=30.0), {}),
+                ("sinks + soft cap", dict(sinks=sinks, logits_soft_cap=30.0), {}),
+                ("batch invariant", {}, dict(batch_invariant=True)),
+            )
+        ] + [
+            (3, "uniform 3 rows", {}, {}),
+            (4, "ragged 2/4 rows", dict(query_start_loc=starts.to(device)), {}),
+        ]
+        for query_len, name, call_kw, plan_kw in variants:
+            case = dataclasses.replace(base, query_len=query_len)
+            q = make_query(case, device, gen)
+            if "query_start_loc" in call_kw:
+                q = q[: int(starts[-1])]
+            plan_args = dict(case.plan_kwargs(), **plan_kw)
+            plan = pagedattn.plan_decode(cache.seq_lens, **plan_args)
+            out = torch.empty_like(q)
+
+            def step(q=q, plan=plan, plan_args=plan_args, call_kw=call_kw, out=out, kv=kv,
+                     scales=scales):  # fmt: skip
+                pagedattn.plan_decode(kv[3], **plan_args, reuse=plan)
+                return pagedattn.paged_decode(q, *kv, plan=plan, out=out, **scales, **call_kw)
+
+            label = f"{batch}x{context} q_len {query_len} {name}"
+            try:
+                err = rel_error(step().clone(), paged_decode_torch(q, *kv, **scales, **call_kw))
+                if not err <= ERROR_BOUNDS["fp8"]:
+                    print(f"{label}: WRONG, rel err {err:.3g}", flush=True)
+                    continue
+                us = time_graph([step] * GRAPH_CALLS).us_p50
+            except Exception as exc:  # a feature this build lacks: say so, go on
+                print(f"{label}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            pct = 100 * kv_bytes(base) / us / 1e3 / ceiling
+            rows.append((f"{batch}x{context}", query_len, name, us, pct, err))
+            print(f"{label}: {us:.1f} us {pct:.1f}% err {err:.2e}", flush=True)
+    times = {(r[0], r[1], r[2]): r[3] for r in rows}
+    print("| shape | plan q_len | step | µs | % read | rel err | against |")
+    print("|---" * 7 + "|")
+    for shape, query_len, name, us, pct, err in rows:
+        # Ragged rows against the uniform step with as many rows, the rest against plain.
+        key = (shape, 3, "uniform 3 rows") if "ragged" in name else (shape, query_len, "plain")
+        ratio = (
+            f"{us / times[key]:.3f}x {key[2]}"
+            if key in times and key != (shape, query_len, name)
+            else ""
+        )
+        print(f"| {shape} | {query_len} | {name} | {us:.1f} | {pct:.1f} | {err:.2e} | {ratio} |")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="benchmarks/micro.py", description=__doc__.splitlines()[0]
@@ -322,6 +457,28 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also print each config's relative error against the float64 reference",
     )
+    p = command(gluon, "the Hopper family against the portable one")
+    p.add_argument("--shapes", type=shapes, default="1x1024x1,128x8192x1,16x32768x1,256x8192x1")
+    p.add_argument(
+        "--scales",
+        type=lambda text: text.split(","),
+        default="per_tensor,per_token",
+        help="FP8 scale modes",
+    )
+    p.add_argument(
+        "--configs",
+        type=lambda text: [tuple(int(x) for x in c.split(":")) for c in text.split(",")],
+        default="264:2:0,396:1:168,528:1:128",
+        help="Hopper programs:stages:maxnreg (0: no register cap), e.g. 264:2:0",
+    )
+    p.add_argument("--half", type=int, default=32, help="tokens of V converted at a time")
+    p.add_argument("--partition", type=int, default=256, help="the Hopper plans' partition")
+
+    p = command(features, "each serving feature's cost against the plain step")
+    p.add_argument("--shapes", type=lambda text: [tuple(int(x) for x in s.split("x")) for s in
+                   text.split(",")], default="64x8192,128x8192,16x32768",
+                   help="batch x context")  # fmt: skip
+    p.add_argument("--query-lens", type=int_list, default="1,4")
     return parser
 
 

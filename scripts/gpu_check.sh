@@ -4,7 +4,8 @@
 # small decode, the fuzzer (valid and corrupted steps, also under compute-sanitizer),
 # scheduler timing, the offline tuner, the side-by-side benchmark; a short summary printed
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
-#   bash scripts/gpu_check.sh [gluon|example|tests|fuzz|tune|bench|all|profile|ab|ab_src] [args]
+#   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|all|profile|ab|
+#   ab_src] [args]
 # (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
 # $OUT/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
@@ -35,10 +36,17 @@ if [[ $MODE == gluon || $MODE == all ]]; then
   summary+=("gluon tests: $(tail -1 "$LOGS/gluon_tests.log")")
   grep -E "^(FAILED|ERROR)|Error|error:" "$LOGS/gluon_tests.log" | head -20
   cp "$LOGS/gluon_tests.log" "$OUT"/
-  timeout "${SWEEP_SECONDS:-240}" python3 benchmarks/sweep_gluon.py ${GLUON_SWEEP_ARGS:-} \
-    >"$OUT/sweep_gluon.txt" 2>&1
-  summary+=("gluon sweep rc $?: $OUT/sweep_gluon.txt")
-  grep -E "^\|" "$OUT/sweep_gluon.txt" | tail -30
+  timeout "${SWEEP_SECONDS:-240}" python3 benchmarks/micro.py gluon ${GLUON_SWEEP_ARGS:-} \
+    >"$OUT/micro_gluon.txt" 2>&1
+  summary+=("gluon sweep rc $?: $OUT/micro_gluon.txt")
+  grep -E "^\|" "$OUT/micro_gluon.txt" | tail -30
+fi
+
+if [[ $MODE == features || $MODE == all ]]; then
+  # Each serving feature's cost against the plain step.
+  timeout "${FEATURES_SECONDS:-240}" python3 benchmarks/micro.py features >"$OUT/features.txt" 2>&1
+  summary+=("features rc $?: $OUT/features.txt")
+  grep -E "^\||failed|WRONG" "$OUT/features.txt" | tail -30
 fi
 
 if [[ $MODE == example || $MODE == all ]]; then
