@@ -79,7 +79,7 @@ def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, mon
             return lambda *args, **kwargs: launched.append(kwargs)
 
     monkeypatch.setattr(api, "_decode_kernel", Kernel())
-    monkeypatch.setattr(api, "reduce_partials", lambda *args: None)
+    monkeypatch.setattr(api, "reduce_partials", lambda *args, **kwargs: None)
     monkeypatch.setattr(api, "pdl_enabled", lambda device: False)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     cache = pagedattn.build_paged_cache(

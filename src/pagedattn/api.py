@@ -19,8 +19,9 @@ from . import checks
 from ._kernels.common import CachedLaunch, interpreting, pdl_supported, programs_per_sm
 from ._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_kernel
 from ._kernels.reduce import _reduce_kernel
-from ._kernels.schedule import _schedule_kernel
+from ._kernels.schedule import _schedule_invariant_kernel, _schedule_kernel
 from .launch import (
+    DEFAULT_PARTITION,
     DecodeLaunchConfig,
     ReduceLaunchConfig,
     ScheduleLaunchConfig,
@@ -30,6 +31,7 @@ from .launch import (
     default_partition,
     device_name,
     head_chunks,
+    invariant_reduce_config,
     next_power_of_2,
     reduce_launch_config,
     schedule_launch,
@@ -183,6 +185,7 @@ def _pick_backend(backend, shape, q, plan, *, k_cache, v_cache, kv_layout, slidi
 # The scheduler and the reducer launch through their compiled handles (less host time); the
 # decode kernel's TMA descriptor arguments keep it on Triton's own launch path.
 _launch_schedule = CachedLaunch(_schedule_kernel)
+_launch_schedule_invariant = CachedLaunch(_schedule_invariant_kernel)
 _launch_reduce = CachedLaunch(_reduce_kernel)
 
 
@@ -201,6 +204,8 @@ def plan_decode(
     reuse: DecodePlan | None = None,
     max_seq_len: int | None = None,
     schedule_config: ScheduleLaunchConfig | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> DecodePlan:
     """Builds the work list of one decode step on the GPU, in one launch, without a host sync.
 
@@ -241,12 +246,32 @@ def plan_decode(
         The scheduler's launch parameters (for tests and benchmarks); default
         ``ScheduleLaunchConfig()``, resolved per step by
         :func:`pagedattn.launch.schedule_launch`.
+    query_start_loc : torch.Tensor, optional
+        ``[batch + 1]`` int32 on the device (vLLM's name), for ragged new tokens: sequence
+        ``b``'s query rows are ``query_start_loc[b] : query_start_loc[b + 1]`` and
+        ``query_len`` is the most any sequence has (a host-side bound). Read only on the
+        device: the scheduler checks each sequence's rows (a range of q's rows after every
+        earlier sequence's, at most ``query_len`` of them, no more than its length) and
+        records them; :func:`paged_decode` must then get the same tensor, whose rows are
+        compared with the recorded ones (see its Notes, Robustness).
+    batch_invariant : bool
+        Make every sequence's result independent of the rest of the batch, the batch size
+        and the grid: each sequence is cut into chunks that depend only on its length
+        (partition_size times a power of two tokens, at most
+        ``pagedattn.plan.INVARIANT_MAX_CHUNKS`` of them), one work each; a sequence of
+        several chunks always goes through the reducer, with a fixed tile. The partition
+        size is then fixed: ``partition_size``, default 256 (the tuning table's and the
+        length-based choices are not used); the grid may still come from the table. The
+        price: sequences are cut (and merged) even where a plan for the batch would not cut
+        them, a long sequence uses at most that many programs per kv head, and the partial
+        buffers hold ``batch x INVARIANT_MAX_CHUNKS`` partials per kv head.
 
     Returns
     -------
     DecodePlan
-        Device tensors only. Its sizes depend on batch, program count, query length and heads,
-        never on the values of ``seq_lens``, so this call may be captured in a CUDA graph.
+        Device tensors only. Its sizes depend on batch, program count, query length and heads
+        (and on ``query_start_loc`` being given, and ``batch_invariant``), never on the values
+        of ``seq_lens``, so this call may be captured in a CUDA graph.
     """
     num_q_heads, num_kv_heads, head_dim, page_size, query_len = map(
         checks.plain_number, (num_q_heads, num_kv_heads, head_dim, page_size, query_len)
@@ -266,8 +291,14 @@ def plan_decode(
         num_programs=num_programs,
         partition_size=partition_size,
         max_seq_len=max_seq_len,
+        query_start_loc=query_start_loc,
+        batch_invariant=batch_invariant,
     )
     device = seq_lens.device
+    ragged = query_start_loc is not None
+    if batch_invariant and partition_size is None:
+        # Fixed: neither the table's nor the lengths' choice (both follow the batch).
+        partition_size = DEFAULT_PARTITION
     if num_programs is None:
         multiplier, tuned_partition = None, None
         if max_seq_len is not None:
@@ -310,6 +341,8 @@ def plan_decode(
         num_programs,
         partition_size,
         device,
+        ragged,
+        batch_invariant,
     )
     if reuse is not None:
         if not isinstance(reuse, DecodePlan):
@@ -334,17 +367,36 @@ def plan_decode(
         sm_count=sm_count(device),
     )
     pdl = pdl_enabled(device)
+    args = (
+        seq_lens,
+        query_start_loc if ragged else seq_lens,  # never read without RAGGED
+        plan.metadata,
+        batch,
+        plan.max_works,
+        plan.max_reduces,
+        query_len,
+        plan.max_seq_len,
+    )
+    if batch_invariant:
+        # One scheduler program per program of a kv head (it serves that program of every
+        # head), each scanning the whole batch.
+        _launch_schedule_invariant(
+            (num_programs // num_kv_heads,),
+            args,
+            num_warps=launch.warps,
+            launch_pdl=pdl,
+            PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
+            NUM_PROGRAMS=num_programs,
+            GROUP=num_q_heads // num_kv_heads,
+            PARTITION_SHIFT=partition_size.bit_length() - 1,
+            BLOCK_B=launch.block_b,
+            RAGGED=ragged,
+            PDL=pdl,
+        )
+        return plan
     _launch_schedule(
         (launch.grid,),
-        (
-            seq_lens,
-            plan.metadata,
-            batch,
-            plan.max_works,
-            plan.max_reduces,
-            query_len,
-            plan.max_seq_len,
-        ),
+        args,
         num_warps=launch.warps,
         launch_pdl=pdl,
         PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
@@ -355,6 +407,7 @@ def plan_decode(
         SINGLE_BLOCK=batch <= launch.block_b,
         WINDOW=launch.window,
         LOCALS=launch.locals,
+        RAGGED=ragged,
         PDL=pdl,
     )
     return plan
@@ -415,6 +468,9 @@ def paged_decode(
     v_scale: torch.Tensor | None = None,
     kv_layout: str = "NHD",
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
+    query_start_loc: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     debug: bool = False,
@@ -430,7 +486,8 @@ def paged_decode(
         ``[batch * query_len, num_q_heads, head_dim]`` bf16 or fp16; rows of one sequence are
         consecutive. Query token ``i`` of sequence ``b`` sits at position
         ``seq_lens[b] - query_len + i`` and attends keys ``0..p`` (causal), or the last
-        ``sliding_window`` of them.
+        ``sliding_window`` of them. With ``query_start_loc``: ``[total_rows, num_q_heads,
+        head_dim]``, any number of rows.
     k_cache, v_cache : torch.Tensor
         ``[num_pages, page_size, num_kv_heads, head_dim]`` ("NHD") or
         ``[num_pages, num_kv_heads, page_size, head_dim]`` ("HND"); any strides (they may be
@@ -454,9 +511,25 @@ def paged_decode(
     kv_layout : {"NHD", "HND"}
     sliding_window : int, optional
         Attend only the last ``sliding_window`` keys up to each query's position.
+    sinks : torch.Tensor, optional
+        ``[num_q_heads]`` float32 on q's device: one logit per query head added to its
+        softmax denominator (attention sinks): ``p_j = exp(s_j) / (sum_k exp(s_k) +
+        exp(sinks[h]))``; the LSE includes it. ``-inf`` is no sink for that head. Padding
+        slots keep zero rows and LSE ``-inf``.
+    logits_soft_cap : float, optional
+        Scores ``s = sm_scale * q . k`` become ``logits_soft_cap * tanh(s / logits_soft_cap)``
+        (a finite float > 0), before masking.
+    query_start_loc : torch.Tensor, optional
+        ``[batch + 1]`` int32 on q's device (vLLM's name): ragged new tokens. Sequence ``b``'s
+        query rows are ``query_start_loc[b] : query_start_loc[b + 1]``, ``n_b`` of them, at
+        most the plan's ``query_len``; its token ``i`` sits at position ``seq_lens[b] - n_b +
+        i``. Rows no sequence owns (e.g. past ``query_start_loc[-1]``) are not written. The
+        plan must have been made with the same tensor (``plan_decode(query_start_loc=)``);
+        without a plan the call plans for at most ``min(q rows, 128 // group)`` rows per
+        sequence. A sequence with no rows reads no KV and writes nothing.
     out : torch.Tensor, optional
-        ``[batch * query_len, num_q_heads, head_dim]`` in q's dtype or float32, unit stride on
-        ``head_dim``; written in place and returned.
+        q's shape, in q's dtype or float32, unit stride on ``head_dim``; written in place and
+        returned.
     return_lse : bool
         Also return the float32 log-sum-exp of the scaled scores (natural log),
         ``[batch * query_len, num_q_heads]``.
@@ -497,12 +570,20 @@ def paged_decode(
     environment turns that off. The result is deterministic: the same inputs and plan give
     the same bits.
 
-    Robustness: no values of ``seq_lens`` or ``block_table`` make a kernel read or write out
-    of bounds. A sequence whose length is negative, between 0 and ``query_len``, beyond the
-    block table's capacity (columns x page_size) or different from the one the plan was
-    made from, or whose used pages include an id outside ``[0, num_pages)``, gets NaN output
-    rows and NaN LSE; the other sequences are unaffected, and the plan records the fault
-    (:meth:`DecodePlan.faults`).
+    Robustness: no values of ``seq_lens``, ``block_table`` or ``query_start_loc`` make a
+    kernel read or write out of bounds. A sequence whose length is negative, between 0 and
+    ``query_len`` (with ``query_start_loc``: its number of rows), beyond the block table's
+    capacity (columns x page_size) or different from the one the plan was made from, or whose
+    used pages include an id outside ``[0, num_pages)``, gets NaN output rows and NaN LSE; the
+    other sequences are unaffected, and the plan records the fault
+    (:meth:`DecodePlan.faults`). With ``query_start_loc``, a sequence whose rows are no range
+    of q's rows starting at or after every earlier entry (negative, decreasing, past q's rows,
+    more than ``query_len``) or differ from the ones the plan recorded gets nothing written
+    (its rows cannot be placed) and a fault.
+
+    Sinks with split sequences: a sequence cut across programs gets its sink once, in the
+    reducer's merge (the partials hold the scores alone); one work covering it adds the sink in
+    its own epilogue.
 
     Numerics, relative error ‖out − ref‖ / ‖ref‖ against the float64 reference on random data
     (bounded in ``tests/test_decode.py``): the computation adds about 2e-4 for FP8 and fp16
@@ -517,7 +598,9 @@ def paged_decode(
     precisely than float32, so the computation adds about 9e-4 instead of 2e-4 (H200).
     ``exact_qk=True`` turns it off.
     """
-    sm_scale, sliding_window = checks.plain_number(sm_scale), checks.plain_number(sliding_window)
+    sm_scale, sliding_window, logits_soft_cap = map(
+        checks.plain_number, (sm_scale, sliding_window, logits_soft_cap)
+    )
     shape = checks.check_decode_args(
         q,
         k_cache,
@@ -532,6 +615,9 @@ def paged_decode(
         sliding_window=sliding_window,
         out=out,
         flags=(("return_lse", return_lse), ("debug", debug), ("exact_qk", exact_qk)),
+        sinks=sinks,
+        logits_soft_cap=logits_soft_cap,
+        query_start_loc=query_start_loc,
     )
     if plan is None:
         plan = plan_decode(
@@ -543,6 +629,7 @@ def paged_decode(
             query_len=shape.query_len,
             kv_dtype=shape.kv_dtype,
             kv_scale=shape.kv_scale,
+            query_start_loc=query_start_loc,
         )
     trace = _TRACE.get()
     family = _pick_backend(
@@ -558,6 +645,9 @@ def paged_decode(
             (trace is not None, "tracing"),
             (launch_config is not None, "launch_config"),
             (exact_qk, "exact_qk (its Q K^T runs on FP8 tensor cores)"),
+            *portable_features(
+                sinks=sinks, logits_soft_cap=logits_soft_cap, query_start_loc=query_start_loc
+            ),
         ),
     )
     if out is None:
@@ -607,10 +697,23 @@ def paged_decode(
             exact_qk=exact_qk,
             launch_config=launch_config,
             trace=trace,
+            sinks=sinks,
+            logits_soft_cap=logits_soft_cap,
+            query_start_loc=query_start_loc,
         )
     if debug:
         _raise_faults(plan)
     return (out, lse) if return_lse else out
+
+
+def portable_features(*, sinks=None, logits_soft_cap=None, query_start_loc=None):
+    """The serving features a :func:`paged_decode` call asks for that only the portable family
+    implements, as ``(asked, name)`` pairs (for the family choice)."""
+    return (
+        (sinks is not None, "sinks"),
+        (logits_soft_cap is not None, "logits_soft_cap"),
+        (query_start_loc is not None, "query_start_loc"),
+    )
 
 
 def _raise_faults(plan: DecodePlan) -> None:
@@ -618,10 +721,12 @@ def _raise_faults(plan: DecodePlan) -> None:
     if faults:
         listed = "; ".join(map(str, faults[:8]))
         more = f" (and {len(faults) - 8} more)" if len(faults) > 8 else ""
-        raise ValueError(
-            f"seq_lens/block_table: {len(faults)} faulty sequence(s), whose rows are NaN: "
-            f"{listed}{more}"
-        )
+        if plan.ragged:
+            what = "seq_lens/block_table/query_start_loc"
+            rows = "whose rows are NaN (or not written, where they cannot be placed)"
+        else:
+            what, rows = "seq_lens/block_table", "whose rows are NaN"
+        raise ValueError(f"{what}: {len(faults)} faulty sequence(s), {rows}: {listed}{more}")
 
 
 def _portable_decode(
@@ -643,6 +748,9 @@ def _portable_decode(
     exact_qk,
     launch_config,
     trace,
+    sinks=None,
+    logits_soft_cap=None,
+    query_start_loc=None,
 ):
     """The portable family's decode kernel and the reducer on checked arguments."""
     return_lse = lse is not None
@@ -698,10 +806,14 @@ def _portable_decode(
         shape.num_pages,
         min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
         seq_lens,
+        query_start_loc if query_start_loc is not None else seq_lens,  # read if RAGGED
+        q.shape[0],
         plan.metadata,
         plan.works_offset,
         plan.planned_lens_offset,
         plan.faults_offset,
+        plan.planned_rows_offset,
+        sinks if sinks is not None else q,  # read if HAS_SINKS
         out,
         out.stride(0),
         out.stride(1),
@@ -710,6 +822,8 @@ def _portable_decode(
         plan.partials,
         plan.lse_offset,
         sm_scale * LOG2E,
+        (logits_soft_cap or 1.0) * LOG2E,
+        2.0 / (logits_soft_cap or 1.0),
         sliding_window or 0,
         trace,
     )
@@ -722,6 +836,9 @@ def _portable_decode(
         BLOCK_N=block_n,
         SCALE_MODE=_SCALE_MODES[shape.kv_scale],
         HAS_WINDOW=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
+        RAGGED=plan.ragged,
         WRITE_LSE=return_lse,
         DOT_FP32=interpreting(),
         USE_TMA=descriptors is not None,
@@ -740,7 +857,7 @@ def _portable_decode(
         args, constexprs, plan, (q.dtype, k_cache.dtype, out.dtype)
     )
     _decode_kernel[(plan.num_programs,)](*args, **constexprs, PDL=pdl, launch_pdl=pdl)
-    reduce_partials(plan, out, lse, config.reduce)
+    reduce_partials(plan, out, lse, config.reduce, sinks=sinks, query_start_loc=query_start_loc)
 
 
 # Per decode-kernel specialisation: how many of its programs fit on one SM at once.
@@ -774,21 +891,31 @@ def reduce_partials(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     config: ReduceLaunchConfig | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> None:
     """Launches the split reducer alone: merges the partials the decode kernel left in
-    ``plan`` into ``out`` (and ``lse``). ``paged_decode`` calls it; benchmarks time it by
-    itself; it checks no arguments (``paged_decode`` has). ``config`` None:
-    :func:`pagedattn.launch.reduce_launch_config`. A plan that can cut no sequence
+    ``plan`` into ``out`` (and ``lse``), adding each head's sink (``sinks``) once per cut
+    sequence and placing rows by ``query_start_loc`` for a ragged plan. ``paged_decode``
+    calls it; benchmarks time it by itself; it checks no arguments (``paged_decode`` has).
+    ``config`` None: :func:`pagedattn.launch.reduce_launch_config`, or for a batch-invariant
+    plan :func:`pagedattn.launch.invariant_reduce_config`. A plan that can cut no sequence
     (``max_reduces == 0``) launches nothing."""
     if plan.max_reduces == 0:
         return
     rows = plan.rows
-    red = config or reduce_launch_config(
-        rows=rows,
-        head_dim=plan.head_dim,
-        records=plan.max_reduces,
-        sm_count=sm_count(out.device),
-    )
+    if config is not None:
+        red = config
+    elif plan.batch_invariant:
+        red = invariant_reduce_config(rows=rows, head_dim=plan.head_dim)
+    else:
+        red = reduce_launch_config(
+            rows=rows,
+            head_dim=plan.head_dim,
+            records=plan.max_reduces,
+            sm_count=sm_count(out.device),
+        )
     red.check(plan.head_dim)
     pdl = pdl_enabled(out.device)
     _launch_reduce(
@@ -803,6 +930,10 @@ def reduce_partials(
             out.stride(1),
             lse if lse is not None else out,  # never written when WRITE_LSE is False
             lse.stride(0) if lse is not None else 0,
+            query_start_loc if query_start_loc is not None else plan.metadata,  # if RAGGED
+            out.shape[0],
+            plan.planned_rows_offset,
+            sinks if sinks is not None else plan.partials,  # read if HAS_SINKS
         ),
         num_warps=red.num_warps,
         launch_pdl=pdl,
@@ -814,5 +945,7 @@ def reduce_partials(
         SLOT_BLOCK=red.slot_block,
         NUM_STAGES=red.num_stages,
         WRITE_LSE=lse is not None,
+        HAS_SINKS=sinks is not None,
+        RAGGED=plan.ragged,
         PDL=pdl,
     )

@@ -108,6 +108,33 @@ def check_seq_lens(seq_lens) -> int:
     return seq_lens.shape[0]
 
 
+def check_query_start_loc(query_start_loc, batch: int, device: torch.device) -> None:
+    """``query_start_loc``: int32 ``[batch + 1]``, contiguous, on ``device`` (its values are
+    checked by the kernels)."""
+    _tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+    if query_start_loc.shape[0] != batch + 1:
+        _fail(
+            ValueError,
+            "query_start_loc",
+            f"shape ({batch + 1},) (batch + 1, from seq_lens)",
+            tuple(query_start_loc.shape),
+        )
+    if query_start_loc.stride(0) != 1:
+        _fail(
+            ValueError,
+            "query_start_loc",
+            "a contiguous tensor (stride 1)",
+            f"stride {query_start_loc.stride(0)}",
+        )
+    if query_start_loc.device != device:
+        _fail(ValueError, "query_start_loc", f"device {device} (seq_lens')", query_start_loc.device)
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        _fail(TypeError, name, "a bool", type(value).__name__)
+
+
 def check_plan_args(
     seq_lens,
     *,
@@ -121,10 +148,15 @@ def check_plan_args(
     num_programs,
     partition_size,
     max_seq_len=None,
+    query_start_loc=None,
+    batch_invariant=False,
 ) -> int:
     """Checks :func:`pagedattn.plan_decode`'s arguments; returns the batch size."""
     batch = check_seq_lens(seq_lens)
     check_device("seq_lens", seq_lens)
+    if query_start_loc is not None:
+        check_query_start_loc(query_start_loc, batch, seq_lens.device)
+    check_flag("batch_invariant", batch_invariant)
     _positive_int("num_q_heads", num_q_heads)
     _positive_int("num_kv_heads", num_kv_heads)
     if num_q_heads % num_kv_heads:
@@ -224,9 +256,14 @@ def check_decode_args(
     sliding_window,
     out,
     flags=(),
+    sinks=None,
+    logits_soft_cap=None,
+    query_start_loc=None,
 ) -> DecodeShape:
     """Checks :func:`pagedattn.paged_decode`'s arguments; returns the decoded shape.
-    ``flags``: (name, value) pairs of its bool switches."""
+    ``flags``: (name, value) pairs of its bool switches. With ``query_start_loc`` q may have
+    any number of rows, and ``query_len`` (the most rows a sequence may have) is the plan's,
+    or without a plan the most the kernel's tile holds up to q's rows."""
     for name, value in flags:
         if not isinstance(value, bool):
             _fail(TypeError, name, "a bool", type(value).__name__)
@@ -281,7 +318,29 @@ def check_decode_args(
         )
     if block_table.shape[0] != batch:
         _fail(ValueError, "block_table", f"{batch} rows (seq_lens' batch)", block_table.shape[0])
-    if batch == 0:
+    if plan is not None:
+        _check_plan_type(plan)
+    if query_start_loc is not None:
+        check_query_start_loc(query_start_loc, batch, q.device)
+        if plan is not None and not plan.ragged:
+            _fail(
+                ValueError,
+                "plan",
+                "one made with query_start_loc (paged_decode was given one)",
+                "one made without",
+            )
+        if plan is not None:
+            query_len = plan.query_len
+        else:
+            query_len = max(1, min(num_tokens, MAX_ROWS // (num_q_heads // num_kv_heads)))
+    elif plan is not None and plan.ragged:
+        _fail(
+            ValueError,
+            "query_start_loc",
+            "the tensor of query rows (the plan was made with query_start_loc)",
+            None,
+        )
+    elif batch == 0:
         if num_tokens != 0:
             _fail(ValueError, "q", "0 rows for an empty batch", num_tokens)
         query_len = plan.query_len if plan is not None else 1
@@ -319,6 +378,25 @@ def check_decode_args(
             _fail(ValueError, "sm_scale", "a finite float > 0", sm_scale)
     if sliding_window is not None:
         _positive_int("sliding_window", sliding_window)
+    if sinks is not None:
+        _tensor("sinks", sinks, 1, (torch.float32,))
+        if sinks.shape[0] != num_q_heads:
+            _fail(ValueError, "sinks", f"shape ({num_q_heads},) (q's heads)", tuple(sinks.shape))
+        if sinks.shape[0] > 1 and sinks.stride(0) != 1:
+            _fail(
+                ValueError, "sinks", "a contiguous tensor (stride 1)", f"stride {sinks.stride(0)}"
+            )
+        if sinks.device != q.device:
+            _fail(ValueError, "sinks", f"device {q.device} (q's)", sinks.device)
+    if logits_soft_cap is not None:
+        if not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool):
+            _fail(TypeError, "logits_soft_cap", "a float", type(logits_soft_cap).__name__)
+        try:
+            finite = math.isfinite(float(logits_soft_cap))
+        except OverflowError:
+            finite = False
+        if not (finite and logits_soft_cap > 0):
+            _fail(ValueError, "logits_soft_cap", "a finite float > 0 or None", logits_soft_cap)
 
     if out is not None:
         if not isinstance(out, torch.Tensor):
@@ -349,12 +427,18 @@ def check_decode_args(
     return shape
 
 
-def check_plan_matches(plan, shape: DecodeShape, device: torch.device) -> None:
-    """A plan must have been made for exactly this step's shape."""
+def _check_plan_type(plan) -> None:
     from .plan import DecodePlan
 
     if not isinstance(plan, DecodePlan):
         _fail(TypeError, "plan", "a DecodePlan", type(plan).__name__)
+
+
+def check_plan_matches(plan, shape: DecodeShape, device: torch.device) -> None:
+    """A plan must have been made for exactly this step's shape."""
+    from .plan import DecodePlan
+
+    _check_plan_type(plan)
     for field in DecodePlan.SHAPE_FIELDS:
         want, got = getattr(shape, field), getattr(plan, field)
         if want != got:

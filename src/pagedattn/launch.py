@@ -177,6 +177,13 @@ def reduce_launch_config(
     return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
 
 
+def invariant_reduce_config(*, rows: int, head_dim: int) -> ReduceLaunchConfig:
+    """The reducer's tile for a batch-invariant plan: one for every batch size and device (the
+    order of the merge's float32 operations follows the tile), the one
+    :func:`reduce_launch_config` picks for a single record on a single SM."""
+    return reduce_launch_config(rows=rows, head_dim=head_dim, records=1, sm_count=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleLaunchConfig:
     """Launch parameters of the GPU scheduler; ``plan_decode(..., schedule_config=)`` takes

@@ -29,9 +29,17 @@ Record layouts (int32, all views of one buffer ``plan.metadata``):
     Per sequence, a bit set of fault codes (``_kernels/records.py``): the scheduler sets the
     length faults and clears the rest; the decode kernel adds capacity, page-id and stale-plan
     faults. :meth:`DecodePlan.faults` reads them.
+``planned_rows[batch, 2]`` (a plan made with ``query_start_loc`` only)
+    Each sequence's query rows ``(start, end)`` as the scheduler found them in
+    ``query_start_loc``, or ``(-1, -1)`` where they are no valid range (a fault); the kernels
+    compare them with the ones they are given.
 
 Every sequence has at least one partition: a padding slot (length 0) or an invalid length
 counts as one partition of no tokens, whose work writes zeros (padding) or NaN (invalid).
+
+A batch-invariant plan (``plan_decode(batch_invariant=True)``) cuts each sequence into
+chunks that depend only on its length (:func:`invariant_chunks`): one work per chunk and kv
+head, a partial per chunk when there are several, whatever the batch and the grid.
 
 Partial buffers (float32): ``partial_out[max_partials, query_len * group, head_dim]`` and
 ``partial_lse[max_partials, query_len * group]`` (LSE in log2 units; -inf for a row that saw
@@ -47,11 +55,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._kernels import records
+from ._kernels import records, schedule
 from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN
 
 WORK_FIELDS = records.WORK_FIELDS.value
 REDUCE_FIELDS = records.REDUCE_FIELDS.value
+ROWS_FIELDS = records.ROWS_FIELDS.value
+# A batch-invariant plan cuts a sequence into at most this many chunks (see invariant_chunks).
+INVARIANT_MAX_CHUNKS = schedule.INVARIANT_MAX_CHUNKS.value
 
 
 class WorkItem(NamedTuple):
@@ -75,12 +86,19 @@ class Fault(NamedTuple):
         return f"sequence {self.seq}: {self.reason}"
 
 
-def plan_sizes(batch: int, num_programs: int, num_kv_heads: int) -> tuple[int, int, int]:
+def plan_sizes(
+    batch: int, num_programs: int, num_kv_heads: int, batch_invariant: bool = False
+) -> tuple[int, int, int]:
     """Upper bounds ``(max_works, max_partials, max_reduces)`` from host-known sizes only.
 
     Per KV head, ``programs_per_head - 1`` range boundaries each cut at most one sequence once:
     works <= batch + boundaries; cut pieces <= 2 * boundaries; cut sequences <= boundaries.
+    A batch-invariant plan has at most ``INVARIANT_MAX_CHUNKS`` chunks (works, partials) per
+    sequence, whatever the grid, and any sequence may be cut.
     """
+    if batch_invariant:
+        chunks = num_kv_heads * batch * INVARIANT_MAX_CHUNKS
+        return chunks, chunks, num_kv_heads * batch
     per_head = num_programs // num_kv_heads
     boundaries = per_head - 1
     max_works = num_kv_heads * (batch + boundaries)
@@ -118,6 +136,11 @@ class DecodePlan:
     max_works: int
     max_partials: int
     max_reduces: int
+    # Made with ``query_start_loc``: ``query_len`` is the most query rows a sequence may have,
+    # and ``metadata`` ends with ``planned_rows``.
+    ragged: bool = False
+    # Chunks that depend only on each sequence's length (see ``invariant_chunks``).
+    batch_invariant: bool = False
 
     # The step's shape a plan is made for (paged_decode checks them against its inputs), and
     # everything it is made for (plan_decode's reuse= compares them in this order).
@@ -131,7 +154,14 @@ class DecodePlan:
         "kv_dtype",
         "kv_scale",
     )
-    SIZE_FIELDS = (*SHAPE_FIELDS, "num_programs", "partition_size", "device")
+    SIZE_FIELDS = (
+        *SHAPE_FIELDS,
+        "num_programs",
+        "partition_size",
+        "device",
+        "ragged",
+        "batch_invariant",
+    )
 
     @functools.cached_property
     def sizes_key(self) -> tuple:
@@ -177,6 +207,16 @@ class DecodePlan:
         return self.planned_lens_offset + self.batch
 
     @property
+    def planned_rows_offset(self) -> int:
+        """Element offset of ``planned_rows`` (a ragged plan's query rows per sequence)."""
+        return self.faults_offset + self.batch
+
+    @property
+    def metadata_size(self) -> int:
+        """Elements of ``metadata``."""
+        return self.planned_rows_offset + (ROWS_FIELDS * self.batch if self.ragged else 0)
+
+    @property
     def max_seq_len(self) -> int:
         """The longest sequence this plan accepts (longer ones are faults)."""
         return records.max_seq_len_supported(self.batch)
@@ -202,12 +242,20 @@ class DecodePlan:
         if self.kv_scale is not None:
             kv += f" ({self.kv_scale})"
         partition = self.partition_size or "picked per step"
+        extra = "".join(
+            text
+            for on, text in (
+                (self.ragged, ", ragged query rows"),
+                (self.batch_invariant, ", batch-invariant"),
+            )
+            if on
+        )
         return (
             f"DecodePlan(batch={self.batch}, query_len={self.query_len}, "
             f"heads={self.num_q_heads}/{self.num_kv_heads} (group {self.group}), "
             f"head_dim={self.head_dim}, page_size={self.page_size}, kv={kv}, "
             f"num_programs={self.num_programs}, partition_size={partition}, "
-            f"max_works={self.max_works}, max_partials={self.max_partials}, "
+            f"max_works={self.max_works}, max_partials={self.max_partials}{extra}, "
             f"device={self.device})"
         )
 
@@ -280,14 +328,20 @@ def allocate_plan(
     num_programs: int,
     partition_size: int | None,
     device: torch.device,
+    ragged: bool = False,
+    batch_invariant: bool = False,
 ) -> DecodePlan:
     """Allocates a plan's buffers (contents undefined until the scheduler fills them): two
     allocations, no views (each torch call costs host time, and a serving loop may make a
     plan every step)."""
-    max_works, max_partials, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
+    max_works, max_partials, max_reduces = plan_sizes(
+        batch, num_programs, num_kv_heads, batch_invariant
+    )
     n_meta = (
         num_programs + 1 + max_works * WORK_FIELDS + max_reduces * REDUCE_FIELDS + 1 + 2 * batch
     )
+    if ragged:
+        n_meta += ROWS_FIELDS * batch
     rows = query_len * (num_q_heads // num_kv_heads)
     n_partials = max_partials * rows * (head_dim + 1)
     return DecodePlan(
@@ -306,15 +360,96 @@ def allocate_plan(
         max_works=max_works,
         max_partials=max_partials,
         max_reduces=max_reduces,
+        ragged=ragged,
+        batch_invariant=batch_invariant,
     )
 
 
 def valid_lens(seq_lens, query_len: int) -> np.ndarray:
     """The lengths the scheduler builds the work list from: invalid ones (negative, between 0
-    and ``query_len``, above the plan's limit) count as 0 tokens (twin of the kernel's)."""
+    and ``query_len``, above the plan's limit) count as 0 tokens (twin of the kernel's). A
+    ragged plan's scheduler takes ``query_len`` 0 here: its short lengths are checked against
+    each sequence's own query rows, and only by the decode kernel's reading of them."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     limit = records.max_seq_len_supported(len(lens))
     return np.where((lens >= query_len) & (lens <= limit), lens, 0)
+
+
+def invariant_chunks(length: int, partition_size: int) -> tuple[int, int]:
+    """A batch-invariant plan's cut of a sequence of ``length`` valid tokens (0: a padding
+    slot or an invalid length): ``(chunk_tokens, chunks)``, chunks of ``partition_size``
+    times a power of two tokens, the fewest such that there are at most
+    ``INVARIANT_MAX_CHUNKS``; the last chunk may be shorter. Depends on the length only."""
+    parts = max(-(-length // partition_size), 1)
+    per_chunk = 1
+    while per_chunk * INVARIANT_MAX_CHUNKS < parts:
+        per_chunk *= 2
+    return per_chunk * partition_size, -(-parts // per_chunk)
+
+
+def schedule_invariant_numpy(
+    seq_lens,
+    *,
+    num_programs: int,
+    num_kv_heads: int,
+    group: int,
+    partition_size: int,
+    query_len: int = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy twin of the batch-invariant scheduler (same outputs as :func:`schedule_numpy`).
+
+    Works are chunks (:func:`invariant_chunks`), ordered by (kv head, sequence, chunk); a
+    chunk belongs to the program whose range of partitions (laid end to end over the batch,
+    ranges differing by at most one, as in the regular plan) holds its first partition.
+    A sequence of several chunks writes one partial per chunk, in consecutive slots.
+    """
+    lens = valid_lens(seq_lens, query_len)
+    batch = len(lens)
+    per_head = num_programs // num_kv_heads
+    max_works, _, max_reduces = plan_sizes(batch, num_programs, num_kv_heads, True)
+    parts = _partitions(lens, partition_size)
+    cuts = [invariant_chunks(int(n), partition_size) for n in lens]
+    seq_first = np.concatenate([[0], np.cumsum(parts)])
+    base, rem = divmod(int(seq_first[-1]), per_head)
+    bounds = np.array([i * base + min(i, rem) for i in range(per_head + 1)])
+
+    head_works = []  # (local program, seq, chunk, token_start, token_end, slot or -1)
+    slot = 0
+    head_reduces = []  # (seq, first slot, chunks)
+    for b, (chunk_tokens, chunks) in enumerate(cuts):
+        if chunks > 1:
+            head_reduces.append((b, slot, chunks))
+        for j in range(chunks):
+            first_part = seq_first[b] + j * (chunk_tokens // partition_size)
+            program = int(np.searchsorted(bounds, first_part, side="right")) - 1
+            start = j * chunk_tokens
+            end = min((j + 1) * chunk_tokens, int(lens[b]))
+            head_works.append((program, b, start, end, slot if chunks > 1 else -1))
+            slot += int(chunks > 1)
+    total_slots = slot
+
+    work_indptr = np.zeros(num_programs + 1, dtype=np.int32)
+    works = np.zeros((max_works, WORK_FIELDS), dtype=np.int32)
+    reduces = np.full((max_reduces, REDUCE_FIELDS), -1, dtype=np.int32)
+    programs = np.array([w[0] for w in head_works])
+    for h in range(num_kv_heads):
+        for i in range(per_head):
+            work_indptr[h * per_head + i] = h * len(head_works) + int(np.sum(programs < i))
+        for w, (program, b, start, end, slot) in enumerate(head_works):
+            works[h * len(head_works) + w] = (
+                h * per_head + program,
+                b,
+                h,
+                h * group,
+                (h + 1) * group,
+                start,
+                end,
+                slot + h * total_slots if slot >= 0 else -1,
+            )
+        for r, (b, first, chunks) in enumerate(head_reduces):
+            reduces[h * len(head_reduces) + r] = (b, h, first + h * total_slots, chunks)
+    work_indptr[num_programs] = num_kv_heads * len(head_works)
+    return work_indptr, works, reduces
 
 
 def _partitions(lens: np.ndarray, partition_size: int) -> np.ndarray:

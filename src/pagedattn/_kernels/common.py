@@ -10,8 +10,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .records import FAULT_QUERY_ROWS, FAULT_STALE_PLAN, ROWS_END, ROWS_FIELDS, ROWS_START
+
 # ln(2): LSEs are kept in log2 units inside the kernels and reported in natural log.
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): sink logits into log2 units
 
 
 # Triton picks its CPU interpreter for a kernel when the kernel is decorated, from
@@ -34,6 +37,26 @@ def dot_any(a, b, DOT_FP32: tl.constexpr, acc=None):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def row_ranges(query_start_loc_ptr, planned_rows_ptr, seq, num_q_rows, QUERY_LEN: tl.constexpr):
+    """A sequence's query rows ``start : start + count`` from ``query_start_loc``, and its
+    fault codes: a range the plan's scheduler found invalid (recorded as ``ROWS_INVALID``),
+    one different from the rows the plan recorded (a stale plan) or past q's rows. A faulty
+    range's rows cannot be placed: ``count`` is 0 then (and at most ``QUERY_LEN`` else)."""
+    start = tl.load(query_start_loc_ptr + seq)
+    end = tl.load(query_start_loc_ptr + seq + 1)
+    rows = planned_rows_ptr + seq.to(tl.int64) * ROWS_FIELDS
+    planned_start = tl.load(rows + ROWS_START)
+    planned_end = tl.load(rows + ROWS_END)
+    valid = planned_start >= 0
+    stale = valid & ((start != planned_start) | (end != planned_end))
+    fault = tl.where(stale, FAULT_STALE_PLAN, 0)
+    fault |= tl.where(valid, 0, FAULT_QUERY_ROWS)
+    fault |= tl.where(end > num_q_rows, FAULT_QUERY_ROWS, 0)
+    count = tl.where(fault != 0, 0, tl.minimum(end - start, QUERY_LEN))
+    return tl.where(fault != 0, 0, start), count, fault
 
 
 @triton.jit

@@ -15,15 +15,22 @@ cores, as two e4m3 terms against the keys as stored (``QK_FP8``). P V takes fp16
 a bf16 cache). Per-tensor scales fold into the score scale (K) and the output (V); per-token
 scales multiply score columns (K) and probability columns (V, relative to the tile's
 largest). Scores, softmax state and accumulators are float32.
+
+Serving features: ``SOFT_CAP`` caps every score at ``c * tanh(s / c)`` (natural units, after
+the softmax scale) before masking; ``HAS_SINKS`` adds one logit per query head to the softmax
+denominator in the epilogue of a work that covers its whole sequence (the reducer adds it to
+a cut sequence's merge, so it counts once); ``RAGGED`` reads each sequence's query rows from
+``query_start_loc`` and writes only those, and only when they match the plan's record of them.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LN2, dot_any, globaltimer, grid_dependency, smid
+from .common import LN2, LOG2E, dot_any, globaltimer, grid_dependency, row_ranges, smid
 from .records import (
     FAULT_CAPACITY,
     FAULT_PAGE_ID,
+    FAULT_SHORT_LENGTH,
     FAULT_STALE_PLAN,
     WORK_FIELDS,
     WORK_KV_HEAD,
@@ -133,6 +140,17 @@ def _pow2_row_scale(amax, TOP: tl.constexpr, UPSCALE: tl.constexpr):
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
     return scale, inv
+
+
+@triton.jit
+def _soft_cap(s, soft_cap, soft_cap_inv2):
+    """Scores ``s`` (log2 units) capped as ``c * tanh(x / c)`` in natural units, i.e.
+    ``soft_cap * tanh(s * ln2 / c)`` with ``soft_cap = c * log2(e)``: tanh from one exp2
+    of ``-2|x| / c = -|s| * soft_cap_inv2`` (``soft_cap_inv2 = 2 / c``), which never
+    overflows; its error near 0 is below 1e-7 of the cap."""
+    e = tl.exp2(-tl.abs(s) * soft_cap_inv2)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * soft_cap
 
 
 @triton.jit
@@ -289,6 +307,8 @@ def _attend_tile(
     kv_head,
     num_pages,
     qk_scale,
+    soft_cap,
+    soft_cap_inv2,
     offs_n,
     HEAD_DIM: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -296,6 +316,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
     TAIL_STAGES: tl.constexpr,
@@ -442,6 +463,8 @@ def _attend_tile(
         s = s * (ks * qk_scale)[None, :]
     else:
         s = s * (qk_scale * k_scale)
+    if SOFT_CAP:
+        s = _soft_cap(s, soft_cap, soft_cap_inv2)
     if MASKED:
         valid = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
         if HAS_WINDOW:
@@ -594,11 +617,15 @@ def _decode_kernel(
     num_pages,  # page ids outside [0, num_pages) are faults
     capacity,  # tokens the block table's columns hold (longer sequences are faults)
     seq_lens_ptr,  # [batch] int32, any values
+    query_start_loc_ptr,  # [batch + 1] int32, any values (used if RAGGED)
+    num_q_rows,  # q's rows (RAGGED: rows past them are faults)
     work_indptr_ptr,  # plan.metadata (records.py): work_indptr [num_programs + 1], then ...
     works_offset,  # ... works [max_works, WORK_FIELDS] from this element on, and
     planned_lens_offset,  # the lengths the plan was made from [batch], and
-    faults_offset,  # the fault codes [batch]
-    out_ptr,  # [batch * query_len, num_q_heads, head_dim]
+    faults_offset,  # the fault codes [batch], and (RAGGED)
+    planned_rows_offset,  # the query rows the plan recorded [batch, ROWS_FIELDS]
+    sinks_ptr,  # [num_q_heads] float32 sink logits, natural units (used if HAS_SINKS)
+    out_ptr,  # [q rows, num_q_heads, head_dim]
     stride_o_tok,
     stride_o_head,
     lse_ptr,  # [batch * query_len, num_q_heads] float32 (natural log); used if WRITE_LSE
@@ -606,6 +633,8 @@ def _decode_kernel(
     partial_out_ptr,  # plan.partials: [max_partials, ROWS, HEAD_DIM] float32, then ...
     lse_offset,  # ... the partial LSEs [max_partials, ROWS] (log2 units) from this element on
     qk_scale,  # sm_scale * log2(e)
+    soft_cap,  # logits_soft_cap * log2(e) (used if SOFT_CAP)
+    soft_cap_inv2,  # 2 / logits_soft_cap
     window,  # sliding window in tokens (used if HAS_WINDOW)
     trace_ptr,  # int64 [num_programs, TRACE_SLOTS] %globaltimer stamps (profiling; if TRACE)
     QUERY_LEN: tl.constexpr,
@@ -616,6 +645,9 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    RAGGED: tl.constexpr,  # query rows per sequence from query_start_loc (at most QUERY_LEN)
     WRITE_LSE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -634,6 +666,7 @@ def _decode_kernel(
     works_ptr = work_indptr_ptr + works_offset
     planned_lens_ptr = work_indptr_ptr + planned_lens_offset
     faults_ptr = work_indptr_ptr + faults_offset
+    planned_rows_ptr = work_indptr_ptr + planned_rows_offset
     partial_lse_ptr = partial_out_ptr + lse_offset
     pid = tl.program_id(0)
     if TRACE:
@@ -645,7 +678,6 @@ def _decode_kernel(
         tl.store(trace_row + 2, smid().to(tl.int64))
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    row_ok = offs_m < ROWS
     # Row r is query token r // GROUP, head r % GROUP of the kv head's group.
     row_tok = offs_m // GROUP
     row_head = offs_m % GROUP
@@ -681,11 +713,27 @@ def _decode_kernel(
         fault = tl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
         fault |= tl.where(seq_len > capacity, FAULT_CAPACITY, 0)
         fault |= tl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+        if RAGGED:
+            # -- the sequence's new tokens are q rows first_row .. first_row + new_tokens - 1;
+            # rows that cannot be placed (a faulty range) are not written at all --
+            first_row, new_tokens, rows_fault = row_ranges(
+                query_start_loc_ptr, planned_rows_ptr, seq, num_q_rows, QUERY_LEN
+            )
+            fault |= rows_fault
+            fault |= tl.where((seq_len > 0) & (seq_len < new_tokens), FAULT_SHORT_LENGTH, 0)
+            row_ok = offs_m < new_tokens * GROUP
+            q_tok = (first_row + row_tok).to(tl.int64)
+        else:
+            new_tokens = QUERY_LEN
+            row_ok = offs_m < ROWS
+            q_tok = (seq * QUERY_LEN + row_tok).to(tl.int64)
         invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
-        token_end = tl.where(invalid, token_start, token_end)
+        if RAGGED:
+            token_end = tl.where(invalid | (new_tokens == 0), token_start, token_end)
+        else:
+            token_end = tl.where(invalid, token_start, token_end)
 
         # -- load the query rows of this kv head, in CHUNKS head_dim chunks --
-        q_tok = (seq * QUERY_LEN + row_tok).to(tl.int64)
         q_head = kv_head * GROUP + row_head
         q_row = q_ptr + q_tok * stride_q_tok + q_head * stride_q_head
         q0 = _load_q_chunk(q_row, stride_q_dim, row_ok, 0, DC)
@@ -731,12 +779,12 @@ def _decode_kernel(
         else:
             q_row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
         # Absolute position of each query row; it attends keys <= pos (and > pos - window).
-        pos = seq_len - QUERY_LEN + row_tok
+        pos = seq_len - new_tokens + row_tok
 
         lo = token_start
         if HAS_WINDOW:
             # Skip whole tiles below every row's window (tiles stay BLOCK_N-aligned).
-            first_key = tl.maximum(seq_len - QUERY_LEN - window + 1, 0)
+            first_key = tl.maximum(seq_len - new_tokens - window + 1, 0)
             lo = tl.maximum(lo, (first_key // BLOCK_N) * BLOCK_N)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -755,7 +803,7 @@ def _decode_kernel(
         # the causal zone of the new tokens): no masks, no selects. The rest are masked.
         full_end = lo
         if UNMASKED_LOOP and not HAS_WINDOW:
-            unmasked = tl.minimum(token_end, seq_len - QUERY_LEN + 1) - lo
+            unmasked = tl.minimum(token_end, seq_len - new_tokens + 1) - lo
             full_end = lo + tl.maximum(unmasked, 0) // BLOCK_N * BLOCK_N
         if TRACE:
             if trace_on:
@@ -822,6 +870,8 @@ def _decode_kernel(
                     kv_head,
                     num_pages,
                     qk_scale,
+                    soft_cap,
+                    soft_cap_inv2,
                     offs_n,
                     HEAD_DIM,
                     CHUNKS,
@@ -829,6 +879,7 @@ def _decode_kernel(
                     BLOCK_N,
                     SCALE_MODE,
                     HAS_WINDOW,
+                    SOFT_CAP,
                     DOT_FP32,
                     USE_TMA,
                     TAIL_STAGES,
@@ -849,12 +900,26 @@ def _decode_kernel(
         # A row that saw no key (a padding slot; causal or window masking in a partial) gets
         # zeros and LSE -inf; a faulty work's rows get NaN.
         nan_rows = invalid | page_fault
+        if SCALE_MODE == 2:
+            o_unit = v_norm
+        else:
+            o_unit = v_scale
+        if HAS_SINKS:
+            # A work that covers its whole sequence adds its head's sink to the denominator,
+            # in log2 units (a cut sequence's is added once, by the reducer; a padding slot
+            # keeps zero rows and LSE -inf). Elsewhere the sink is -inf: nothing changes.
+            whole = (slot < 0) & (seq_len != 0)
+            sink = tl.load(sinks_ptr + q_head, mask=row_ok & whole, other=float("-inf"))
+            sink = sink * LOG2E
+            m_sink = tl.maximum(m_i, sink)
+            m_sink = tl.where(m_sink == float("-inf"), 0.0, m_sink)
+            rescale = tl.exp2(m_i - m_sink)
+            l_i = l_i * rescale + tl.exp2(sink - m_sink)
+            o_unit = o_unit * rescale
+            m_i = m_sink
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        if SCALE_MODE == 2:
-            o_scale = tl.where(l_i > 0.0, v_norm / l_safe, 0.0)
-        else:
-            o_scale = tl.where(l_i > 0.0, v_scale / l_safe, 0.0)
+        o_scale = tl.where(l_i > 0.0, o_unit / l_safe, 0.0)
         o_scale = tl.where(nan_rows, float("nan"), o_scale)
         lse2 = tl.where(nan_rows, float("nan"), lse2)
         if slot < 0:

@@ -9,12 +9,17 @@ Partials are taken ``SLOT_BLOCK`` at a time in slot order (= token order) and me
 float32 log-sum-exp merge (``NUM_STAGES`` > 1 pipelines the blocks' loads; measured slower
 on the H200, so off by default). The order of every float32 operation depends only on the
 plan, so repeated runs over the same inputs and plan give identical bits.
+
+``HAS_SINKS``: the merge starts from the head's sink logit (a partial of weight
+``exp(sink)`` and no value), so a cut sequence's sink counts once. ``RAGGED``: the rows go to
+the sequence's ``query_start_loc`` rows, checked as the decode kernel checks them (nothing is
+written where they do not match the plan's record).
 """
 
 import triton
 import triton.language as tl
 
-from .common import LN2, grid_dependency
+from .common import LN2, LOG2E, grid_dependency, row_ranges
 from .records import (
     REDUCE_FIELDS,
     REDUCE_FIRST_SLOT,
@@ -35,6 +40,10 @@ def _reduce_kernel(
     stride_o_head,
     lse_ptr,  # [batch * query_len, num_q_heads] float32, natural log
     stride_lse_tok,
+    query_start_loc_ptr,  # [batch + 1] int32 (used if RAGGED)
+    num_q_rows,  # q's rows (RAGGED)
+    planned_rows_offset,  # the query rows the plan recorded, in metadata (RAGGED)
+    sinks_ptr,  # [num_q_heads] float32 (used if HAS_SINKS)
     QUERY_LEN: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -43,6 +52,8 @@ def _reduce_kernel(
     SLOT_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    RAGGED: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see grid_dependency)
 ):
     grid_dependency(PDL, False)
@@ -63,10 +74,28 @@ def _reduce_kernel(
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         d0 = tl.program_id(2) * BLOCK_D
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        row_ok = offs_r < ROWS
+        if RAGGED:
+            first_row, new_tokens, _ = row_ranges(
+                query_start_loc_ptr,
+                metadata_ptr + planned_rows_offset,
+                seq,
+                num_q_rows,
+                QUERY_LEN,
+            )
+            row_ok = offs_r < new_tokens * GROUP
+            tok = (first_row + offs_r // GROUP).to(tl.int64)
+        else:
+            row_ok = offs_r < ROWS
+            tok = (seq * QUERY_LEN + offs_r // GROUP).to(tl.int64)
+        head = kv_head * GROUP + offs_r % GROUP
 
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
+        if HAS_SINKS:
+            # The sink as a first partial: weight exp(sink), no value (-inf: no sink).
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * LOG2E
+            l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+        else:
+            m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         for j0 in tl.range(0, num_slots, SLOT_BLOCK, num_stages=NUM_STAGES):
             slot = (first_slot + j0 + offs_j).to(tl.int64)
@@ -96,8 +125,6 @@ def _reduce_kernel(
         # (max() may drop a NaN, so it is carried by l_i, not m_i).
         ok_rows = l_i == l_i
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        tok = (seq * QUERY_LEN + offs_r // GROUP).to(tl.int64)
-        head = kv_head * GROUP + offs_r % GROUP
         o_ptrs = (
             out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         )

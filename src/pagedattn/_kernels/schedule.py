@@ -24,6 +24,14 @@ a padding slot, NaN for an invalid one); the invalid ones get their fault codes 
 Partition size: ``2**PARTITION_SHIFT``, or with ``PARTITION_SHIFT == 0`` picked here from
 the lengths each step (``AUTO_*`` below), and written after the records.
 
+Ragged query rows (``RAGGED``, a plan made with ``query_start_loc``): ``query_len`` is the
+most rows a sequence may have, so any length >= 0 is scheduled; each sequence's rows are
+checked here (``_query_rows``) and recorded, and the decode kernel compares them with the
+ones it is given.
+
+``_schedule_invariant_kernel`` is the batch-invariant plan's scheduler: the same partition
+ranges, but works are chunks that depend only on each sequence's length.
+
 Buffer layout: ``records.py`` (fields) and ``plan.py`` (offsets).
 """
 
@@ -34,12 +42,17 @@ from .common import grid_dependency
 from .records import (
     FAULT_LENGTH_LIMIT,
     FAULT_NEGATIVE_LENGTH,
+    FAULT_QUERY_ROWS,
     FAULT_SHORT_LENGTH,
     REDUCE_FIELDS,
     REDUCE_FIRST_SLOT,
     REDUCE_KV_HEAD,
     REDUCE_NUM_SLOTS,
     REDUCE_SEQ,
+    ROWS_END,
+    ROWS_FIELDS,
+    ROWS_INVALID,
+    ROWS_START,
     WORK_FIELDS,
     WORK_KV_HEAD,
     WORK_PARTIAL_SLOT,
@@ -60,6 +73,9 @@ AUTO_LARGE = tl.constexpr(256)
 AUTO_SMALL_MAX_LEN = tl.constexpr(32 * 128)
 AUTO_SMALL_SHIFT = tl.constexpr(7)  # log2(AUTO_SMALL)
 AUTO_LARGE_SHIFT = tl.constexpr(8)
+# A batch-invariant plan cuts a sequence into at most this many chunks (a power of two).
+INVARIANT_MAX_CHUNKS = tl.constexpr(16)
+INT32_MIN = tl.constexpr(-(2**31))
 
 
 @triton.jit
@@ -89,14 +105,62 @@ def _parts(lens, in_batch, shift):
 
 
 @triton.jit
-def _record_lengths(planned_ptr, faults_ptr, seq, raw, in_batch, query_len, max_len):
-    """Stores the lengths the plan is made from and their fault codes (clearing the codes
-    an earlier step left)."""
+def _max_of(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _query_rows(query_start_loc_ptr, seq, in_batch, carry, query_len):
+    """A chunk of sequences' query rows ``start : end`` (``query_start_loc[seq]``,
+    ``[seq + 1]``), whether each is a valid range, and the largest entry so far (``carry``
+    into the next chunk). Valid: ``0 <= start <= end``, at most ``query_len`` rows, and
+    ``start`` at least every earlier entry, so that the valid sequences' rows never overlap
+    (a decreasing entry faults the sequences whose rows it would make overlap)."""
+    start = tl.load(query_start_loc_ptr + seq, mask=in_batch, other=0)
+    end = tl.load(query_start_loc_ptr + seq + 1, mask=in_batch, other=0)
+    highest = tl.maximum(
+        tl.associative_scan(tl.where(in_batch, start, INT32_MIN), 0, _max_of), carry
+    )
+    valid = (start >= 0) & (start >= highest) & (end >= start)
+    valid = valid & (end - tl.maximum(start, 0) <= query_len)
+    return start, end, valid, tl.max(highest, axis=0)
+
+
+@triton.jit
+def _record_lengths(
+    planned_ptr,
+    faults_ptr,
+    rows_ptr,
+    seq,
+    raw,
+    in_batch,
+    mine,
+    query_len,
+    max_len,
+    query_start_loc_ptr,
+    row_carry,
+    RAGGED: tl.constexpr,
+):
+    """Stores the lengths the plan is made from and their fault codes, for the sequences
+    ``mine`` of a chunk (clearing the codes an earlier step left). With ``RAGGED`` also each
+    sequence's query rows (``_query_rows``, over every sequence ``in_batch``; ``row_carry``
+    is its running maximum, returned updated), or ``ROWS_INVALID`` and a fault."""
     fault = tl.where(raw < 0, FAULT_NEGATIVE_LENGTH, 0)
-    fault |= tl.where((raw > 0) & (raw < query_len), FAULT_SHORT_LENGTH, 0)
     fault |= tl.where(raw > max_len, FAULT_LENGTH_LIMIT, 0)
-    tl.store(planned_ptr + seq, raw, mask=in_batch)
-    tl.store(faults_ptr + seq, fault, mask=in_batch)
+    if RAGGED:
+        start, end, valid, row_carry = _query_rows(
+            query_start_loc_ptr, seq, in_batch, row_carry, query_len
+        )
+        fault |= tl.where(valid, 0, FAULT_QUERY_ROWS)
+        fault |= tl.where(valid & (raw > 0) & (raw < end - start), FAULT_SHORT_LENGTH, 0)
+        rows = rows_ptr + seq.to(tl.int64) * ROWS_FIELDS
+        tl.store(rows + ROWS_START, tl.where(valid, start, ROWS_INVALID), mask=mine)
+        tl.store(rows + ROWS_END, tl.where(valid, end, ROWS_INVALID), mask=mine)
+    else:
+        fault |= tl.where((raw > 0) & (raw < query_len), FAULT_SHORT_LENGTH, 0)
+    tl.store(planned_ptr + seq, raw, mask=mine)
+    tl.store(faults_ptr + seq, fault, mask=mine)
+    return row_carry
 
 
 @triton.jit
@@ -284,8 +348,9 @@ def _write_works(
 @triton.jit
 def _schedule_kernel(
     seq_lens_ptr,  # [batch] int32, any values
+    query_start_loc_ptr,  # [batch + 1] int32, any values (read if RAGGED)
     metadata_ptr,  # int32 records (records.py): work_indptr, works, reduces, partition size,
-    # planned_lens, faults
+    # planned_lens, faults (, planned_rows if RAGGED)
     batch,
     max_works,
     max_reduces,
@@ -299,6 +364,7 @@ def _schedule_kernel(
     SINGLE_BLOCK: tl.constexpr,  # batch <= BLOCK_B: one load, one pass, all in registers
     WINDOW: tl.constexpr,  # sequences per step when writing a program's works (0: all)
     LOCALS: tl.constexpr,  # decode programs served by one scheduler program (divides the head's)
+    RAGGED: tl.constexpr,  # query rows per sequence from query_start_loc (query_len: the most)
     PDL: tl.constexpr,  # programmatic dependent launch (see grid_dependency); the next
     # kernel (the decode) may launch at once
 ):
@@ -308,6 +374,13 @@ def _schedule_kernel(
     reduces_ptr = works_ptr + max_works * WORK_FIELDS
     planned_ptr = reduces_ptr + max_reduces * REDUCE_FIELDS + 1
     faults_ptr = planned_ptr + batch
+    rows_ptr = faults_ptr + batch
+    # Ragged rows: a length need only cover its sequence's rows, which the decode kernel
+    # checks (the faults are recorded here).
+    if RAGGED:
+        min_len = 0
+    else:
+        min_len = query_len
     first_pid = tl.program_id(0) * LOCALS
     kv_head = first_pid // PROGRAMS_PER_HEAD
     local0 = first_pid % PROGRAMS_PER_HEAD
@@ -322,8 +395,21 @@ def _schedule_kernel(
         # Each scheduler program records its slice of the lengths (no program does more).
         SLICE: tl.constexpr = (BLOCK_B + NUM_PROGRAMS // LOCALS - 1) // (NUM_PROGRAMS // LOCALS)
         mine = in_batch & (offs // SLICE == tl.program_id(0))
-        _record_lengths(planned_ptr, faults_ptr, offs, raw, mine, query_len, max_len)
-        lens = _valid_lens(raw, query_len, max_len)
+        _record_lengths(
+            planned_ptr,
+            faults_ptr,
+            rows_ptr,
+            offs,
+            raw,
+            in_batch,
+            mine,
+            query_len,
+            max_len,
+            query_start_loc_ptr,
+            zero + INT32_MIN,
+            RAGGED,
+        )
+        lens = _valid_lens(raw, min_len, max_len)
         if PARTITION_SHIFT == 0:
             shift = _auto_shift(
                 tl.sum(_at_least_one(tl.cdiv(lens, AUTO_LARGE), in_batch), axis=0),
@@ -352,14 +438,43 @@ def _schedule_kernel(
         total_large = zero
         longest = zero
         grid_size = NUM_PROGRAMS // LOCALS
+        row_carry = zero + INT32_MIN
         for b0 in range(0, batch, BLOCK_B):
             in_batch = b0 + offs < batch
             raw = tl.load(seq_lens_ptr + b0 + offs, mask=in_batch, other=0)
-            if tl.program_id(0) == (b0 // BLOCK_B) % grid_size:
-                _record_lengths(
-                    planned_ptr, faults_ptr, b0 + offs, raw, in_batch, query_len, max_len
+            owner = tl.program_id(0) == (b0 // BLOCK_B) % grid_size
+            if RAGGED:
+                # Every program follows the rows' running maximum; the owner stores.
+                row_carry = _record_lengths(
+                    planned_ptr,
+                    faults_ptr,
+                    rows_ptr,
+                    b0 + offs,
+                    raw,
+                    in_batch,
+                    in_batch & owner,
+                    query_len,
+                    max_len,
+                    query_start_loc_ptr,
+                    row_carry,
+                    RAGGED,
                 )
-            lens = _valid_lens(raw, query_len, max_len)
+            elif owner:
+                _record_lengths(
+                    planned_ptr,
+                    faults_ptr,
+                    rows_ptr,
+                    b0 + offs,
+                    raw,
+                    in_batch,
+                    in_batch,
+                    query_len,
+                    max_len,
+                    query_start_loc_ptr,
+                    row_carry,
+                    RAGGED,
+                )
+            lens = _valid_lens(raw, min_len, max_len)
             if PARTITION_SHIFT == 0:
                 total += tl.sum(_at_least_one(tl.cdiv(lens, AUTO_SMALL), in_batch), axis=0)
                 total_large += tl.sum(_at_least_one(tl.cdiv(lens, AUTO_LARGE), in_batch), axis=0)
@@ -389,7 +504,7 @@ def _schedule_kernel(
         for b0 in range(0, batch, BLOCK_B):
             in_batch = b0 + offs < batch
             raw = tl.load(seq_lens_ptr + b0 + offs, mask=in_batch, other=0)
-            lens = _valid_lens(raw, query_len, max_len)
+            lens = _valid_lens(raw, min_len, max_len)
             parts, cum_incl, cum_excl, _, offset, size = _layout(
                 lens, in_batch, carry, base, rem, shift, exact
             )
@@ -480,7 +595,7 @@ def _schedule_kernel(
                 seq = w0 + offs_w
                 in_window = seq < end_seq
                 raw_w = tl.load(seq_lens_ptr + seq, mask=in_window, other=0)
-                lens_w = _valid_lens(raw_w, query_len, max_len)
+                lens_w = _valid_lens(raw_w, min_len, max_len)
                 parts_w, cum_incl_w, cum_excl_w, first_w, _, _ = _layout(
                     lens_w, in_window, carry, base, rem, shift, exact
                 )
@@ -514,6 +629,181 @@ def _schedule_kernel(
     used = (NUM_PROGRAMS // PROGRAMS_PER_HEAD) * total_cut
     grid = NUM_PROGRAMS // LOCALS
     for r0 in range(tl.program_id(0) * BLOCK_B, max_reduces, grid * BLOCK_B):
+        r = r0 + offs
+        unused = (r >= used) & (r < max_reduces)
+        for f in tl.static_range(REDUCE_FIELDS):
+            tl.store(
+                reduces_ptr + r.to(tl.int64) * REDUCE_FIELDS + f,
+                tl.full([BLOCK_B], -1, tl.int32),
+                mask=unused,
+            )
+
+
+@triton.jit
+def _chunk_shift(parts):
+    """log2 of the partitions per chunk in a batch-invariant plan: the smallest power of two
+    that cuts ``parts`` partitions into at most ``INVARIANT_MAX_CHUNKS`` chunks (a function
+    of the length alone; ``parts`` <= 2^30)."""
+    shift = tl.zeros_like(parts)
+    for t in tl.static_range(27):
+        shift += (parts > (INVARIANT_MAX_CHUNKS << t)).to(tl.int32)
+    return shift
+
+
+@triton.jit
+def _invariant_chunks(raw, in_batch, min_len, max_len, PARTITION_SHIFT: tl.constexpr):
+    """Valid lengths, partitions, log2 partitions per chunk and chunks of a block of
+    sequences (no chunks past the batch)."""
+    lens = _valid_lens(raw, min_len, max_len)
+    parts = _parts(lens, in_batch, PARTITION_SHIFT)
+    shift = _chunk_shift(parts)
+    chunks = tl.where(in_batch, _cdiv_shift(parts, shift), 0)
+    return lens, parts, shift, chunks
+
+
+@triton.jit
+def _schedule_invariant_kernel(
+    seq_lens_ptr,  # [batch] int32, any values
+    query_start_loc_ptr,  # [batch + 1] int32, any values (read if RAGGED)
+    metadata_ptr,  # int32 records (records.py), as _schedule_kernel's
+    batch,
+    max_works,
+    max_reduces,
+    query_len,
+    max_len,  # longer sequences are refused (records.max_seq_len_supported)
+    PROGRAMS_PER_HEAD: tl.constexpr,  # the grid: scheduler program i serves program i of each head
+    NUM_PROGRAMS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PARTITION_SHIFT: tl.constexpr,  # log2 of tokens per partition (fixed)
+    BLOCK_B: tl.constexpr,
+    RAGGED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The batch-invariant plan's work list. Every sequence is cut into chunks of a power of
+    two times the partition size, the fewest that leave at most ``INVARIANT_MAX_CHUNKS``
+    (``plan.invariant_chunks``): a function of its length alone, so its works, their token
+    ranges and whether it goes through the reducer never depend on the other sequences, the
+    batch size or the grid. Works are ordered by (kv head, sequence, chunk); a chunk belongs
+    to the program whose range of partitions (as in ``_schedule_kernel``: the batch's laid
+    end to end, cut into ranges that differ by at most one) holds its first one, so programs
+    still share the load. A sequence of several chunks writes one partial per chunk, in
+    consecutive slots, and has a reduce record.
+
+    Two passes over the batch: totals (and the lengths' records, by each block's owner), then
+    the chunks before this program's first partition and the works and reduce records of the
+    blocks this program owns."""
+    grid_dependency(PDL, PDL)
+    NUM_KV_HEADS: tl.constexpr = NUM_PROGRAMS // PROGRAMS_PER_HEAD
+    work_indptr_ptr = metadata_ptr
+    works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
+    reduces_ptr = works_ptr + max_works * WORK_FIELDS
+    planned_ptr = reduces_ptr + max_reduces * REDUCE_FIELDS + 1
+    faults_ptr = planned_ptr + batch
+    rows_ptr = faults_ptr + batch
+    if RAGGED:
+        min_len = 0
+    else:
+        min_len = query_len
+    local = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_B)
+    zero = tl.sum(tl.zeros([BLOCK_B], dtype=tl.int32), axis=0)
+
+    # -- pass 1: per-head totals (partitions, chunks, chunks of cut sequences, cut sequences)
+    total = zero
+    total_chunks = zero
+    total_slots = zero
+    total_cut = zero
+    row_carry = zero + INT32_MIN
+    for b0 in range(0, batch, BLOCK_B):
+        seq = b0 + offs
+        in_batch = seq < batch
+        raw = tl.load(seq_lens_ptr + seq, mask=in_batch, other=0)
+        owner = (b0 // BLOCK_B) % PROGRAMS_PER_HEAD == local
+        row_carry = _record_lengths(
+            planned_ptr,
+            faults_ptr,
+            rows_ptr,
+            seq,
+            raw,
+            in_batch,
+            in_batch & owner,
+            query_len,
+            max_len,
+            query_start_loc_ptr,
+            row_carry,
+            RAGGED,
+        )
+        _, parts, _, chunks = _invariant_chunks(raw, in_batch, min_len, max_len, PARTITION_SHIFT)
+        cut = chunks > 1
+        total += tl.sum(parts, axis=0)
+        total_chunks += tl.sum(chunks, axis=0)
+        total_slots += tl.sum(tl.where(cut, chunks, 0), axis=0)
+        total_cut += tl.sum(cut.to(tl.int32), axis=0)
+    base = total // PROGRAMS_PER_HEAD
+    rem = total % PROGRAMS_PER_HEAD
+    exact = total < EXACT_ESTIMATE_LIMIT
+    p_start = _start_of(local, base, rem)
+
+    # -- pass 2: chunks that begin before this program's range; the owned blocks' records --
+    before = zero
+    carry_parts = zero
+    carry_chunks = zero
+    carry_slots = zero
+    carry_cut = zero
+    for b0 in range(0, batch, BLOCK_B):
+        seq = b0 + offs
+        in_batch = seq < batch
+        raw = tl.load(seq_lens_ptr + seq, mask=in_batch, other=0)
+        lens, parts, shift, chunks = _invariant_chunks(
+            raw, in_batch, min_len, max_len, PARTITION_SHIFT
+        )
+        cut = chunks > 1
+        slots = tl.where(cut, chunks, 0)
+        first_part = carry_parts + tl.cumsum(parts, axis=0) - parts
+        first_chunk = carry_chunks + tl.cumsum(chunks, axis=0) - chunks
+        first_slot = carry_slots + tl.cumsum(slots, axis=0) - slots
+        reduce_index = carry_cut + tl.cumsum(cut.to(tl.int32), axis=0) - cut.to(tl.int32)
+        ahead = tl.maximum(p_start - first_part, 0)
+        before += tl.sum(tl.minimum(_cdiv_shift(ahead, shift), chunks), axis=0)
+        if (b0 // BLOCK_B) % PROGRAMS_PER_HEAD == local:
+            for h in range(NUM_KV_HEADS):
+                for j in tl.static_range(INVARIANT_MAX_CHUNKS):
+                    mine = j < chunks
+                    program, _, _ = _program_of(first_part + (j << shift), base, rem, exact)
+                    tok_start = (j << shift) << PARTITION_SHIFT
+                    tok_end = tl.minimum(((j + 1) << shift) << PARTITION_SHIFT, lens)
+                    slot = tl.where(cut, h * total_slots + first_slot + j, -1)
+                    rec = (
+                        works_ptr + (h * total_chunks + first_chunk + j).to(tl.int64) * WORK_FIELDS
+                    )
+                    head = tl.zeros_like(seq) + h
+                    tl.store(rec + WORK_PROGRAM, h * PROGRAMS_PER_HEAD + program, mask=mine)
+                    tl.store(rec + WORK_SEQ, seq, mask=mine)
+                    tl.store(rec + WORK_KV_HEAD, head, mask=mine)
+                    tl.store(rec + WORK_Q_HEAD_START, head * GROUP, mask=mine)
+                    tl.store(rec + WORK_Q_HEAD_END, (head + 1) * GROUP, mask=mine)
+                    tl.store(rec + WORK_TOKEN_START, tok_start, mask=mine)
+                    tl.store(rec + WORK_TOKEN_END, tok_end, mask=mine)
+                    tl.store(rec + WORK_PARTIAL_SLOT, slot, mask=mine)
+                red = reduces_ptr + (h * total_cut + reduce_index).to(tl.int64) * REDUCE_FIELDS
+                tl.store(red + REDUCE_SEQ, seq, mask=cut)
+                tl.store(red + REDUCE_KV_HEAD, tl.zeros_like(seq) + h, mask=cut)
+                tl.store(red + REDUCE_FIRST_SLOT, h * total_slots + first_slot, mask=cut)
+                tl.store(red + REDUCE_NUM_SLOTS, chunks, mask=cut)
+        carry_parts += tl.sum(parts, axis=0)
+        carry_chunks += tl.sum(chunks, axis=0)
+        carry_slots += tl.sum(slots, axis=0)
+        carry_cut += tl.sum(cut.to(tl.int32), axis=0)
+
+    for h in range(NUM_KV_HEADS):
+        tl.store(work_indptr_ptr + h * PROGRAMS_PER_HEAD + local, h * total_chunks + before)
+    if local == PROGRAMS_PER_HEAD - 1:
+        tl.store(work_indptr_ptr + NUM_PROGRAMS, NUM_KV_HEADS * total_chunks)
+        tl.store(planned_ptr - 1, zero + (1 << PARTITION_SHIFT))  # the step's partition size
+
+    # -- clear the reduce records no sequence uses, so the reducer skips them --
+    used = NUM_KV_HEADS * total_cut
+    for r0 in range(local * BLOCK_B, max_reduces, PROGRAMS_PER_HEAD * BLOCK_B):
         r = r0 + offs
         unused = (r >= used) & (r < max_reduces)
         for f in tl.static_range(REDUCE_FIELDS):
