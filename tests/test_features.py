@@ -15,8 +15,10 @@ import torch
 from conftest import DEVICE, ON_GPU
 
 import pagedattn
+from pagedattn import ops
 from pagedattn._kernels import records
 from pagedattn.cache import FP8_DTYPE
+from pagedattn.integrations import BatchDecodeWrapper, vllm_paged_decode
 from pagedattn.launch import ScheduleLaunchConfig
 from pagedattn.plan import invariant_chunks, schedule_invariant_numpy
 from pagedattn.reference import paged_decode_torch, rel_error
@@ -429,7 +431,7 @@ def _place_target(step, cache, q, b, rows, gen_seed):
     return dataclasses.replace(cache, k_cache=k, v_cache=v, k_scale=ks, v_scale=vs), q
 
 
-# ------------------------------------------------------------------ arguments
+# ------------------------------------------------------------------ arguments and engines
 
 
 def _args_for_errors(gen):
@@ -521,3 +523,56 @@ def test_plan_decode_rejects_bad_feature_arguments(gen):
         ValueError, match=r"reuse: expected a plan made for .*batch_invariant=False"
     ):
         _plan(step, cache.seq_lens, reuse=plan)
+
+
+def test_custom_ops_and_engine_entry_points_pass_the_features(gen):
+    """ops.paged_decode (the custom ops) gives the eager bits; FlashInfer's wrapper takes the
+    soft cap at plan() and sinks at run(); vLLM's call takes query_start_loc, sinks and the
+    soft cap."""
+    step = Step((23, 0, 60), query_len=1, kv_dtype=BF16, kv_scale=None)
+    cache, q = _inputs(step, gen)
+    sinks = _sinks(step, gen)
+    kw = dict(sinks=sinks, logits_soft_cap=2.5)
+    plan = _plan(step, cache.seq_lens)
+    want, want_lse = _decode(step, cache, q, plan, **kw)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    got, got_lse = ops.paged_decode(*args, plan=plan, return_lse=True, **kw)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    ref = _reference(step, cache, q, **kw)
+
+    indptr, indices = pagedattn.block_table_to_indptr(cache.block_table, cache.seq_lens, 4)
+    lens = cache.seq_lens.tolist()
+    last = torch.tensor([(n - 1) % 4 + 1 if n else 0 for n in lens], device=DEVICE)
+    wrapper = BatchDecodeWrapper()
+    wrapper.plan(
+        indptr,
+        indices,
+        last,
+        num_qo_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=4,
+        logits_soft_cap=2.5,
+        num_programs=4,
+    )
+    _check(step, wrapper.run(q, (cache.k_cache, cache.v_cache), sinks=sinks, return_lse=True), ref)
+
+    qsl = _qsl([0, 1, 1, 2])  # the padding slot has no row; row 2 belongs to none
+    ragged = dataclasses.replace(step, lens=step.lens)
+    q_rows = q[[0, 2, 1]].contiguous()
+    out = torch.full_like(q_rows, POISON)
+    vllm_paged_decode(
+        q_rows,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_table,
+        cache.seq_lens,
+        scale=64**-0.5,
+        query_start_loc=qsl,
+        max_query_len=1,
+        out=out,
+        **kw,
+    )
+    ref_rows = _reference(ragged, cache, q_rows, query_start_loc=qsl, **kw)
+    assert rel_error(out[:2], ref_rows[0][:2]) < tolerance(BF16, BF16)
+    _check_untouched(out, slice(2, 3))

@@ -119,6 +119,7 @@ class BatchDecodeWrapper:
         self.seq_lens: torch.Tensor | None = None
         self.sm_scale: float | None = None
         self.sliding_window: int | None = None
+        self.logits_soft_cap: float | None = None
 
     def plan(
         self,
@@ -135,10 +136,12 @@ class BatchDecodeWrapper:
         kv_scale: str | None = None,
         sm_scale: float | None = None,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         max_pages_per_seq: int | None = None,
         num_programs: int | None = None,
         partition_size: int | None = None,
         max_seq_len: int | None = None,
+        batch_invariant: bool = False,
     ) -> DecodePlan:
         """Plans one decode step.
 
@@ -160,9 +163,12 @@ class BatchDecodeWrapper:
             FP8 scale mode (None for bf16/fp16).
         sm_scale, sliding_window : optional
             Defaults for every :meth:`run` of this step.
+        logits_soft_cap : float, optional
+            FlashInfer's soft cap for every :meth:`run` of this step: scores ``s`` become
+            ``logits_soft_cap * tanh(s / logits_soft_cap)``.
         max_pages_per_seq : int, optional
             Block-table width (default: the most pages any sequence has).
-        num_programs, partition_size, max_seq_len : optional
+        num_programs, partition_size, max_seq_len, batch_invariant : optional
             As for :func:`pagedattn.plan_decode`.
         """
         for name, x in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
@@ -209,6 +215,7 @@ class BatchDecodeWrapper:
             num_programs,
             partition_size,
             max_seq_len,
+            batch_invariant,
             seq_lens.device,
         )
         reuse = self.plan_ if key == self._plan_key else None
@@ -225,10 +232,12 @@ class BatchDecodeWrapper:
             partition_size=partition_size,
             max_seq_len=max_seq_len,
             reuse=reuse,
+            batch_invariant=batch_invariant,
         )
         self._plan_key = key
         self.block_table, self.seq_lens = block_table, seq_lens
         self.sm_scale, self.sliding_window = sm_scale, sliding_window
+        self.logits_soft_cap = logits_soft_cap
         return self.plan_
 
     def _split_cache(self, paged_kv_cache):
@@ -273,6 +282,7 @@ class BatchDecodeWrapper:
         k_scale=None,
         v_scale=None,
         sm_scale: float | None = None,
+        sinks: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         return_lse: bool = False,
     ):
@@ -292,6 +302,9 @@ class BatchDecodeWrapper:
             head_dim (per token).
         sm_scale : float, optional
             Overrides the plan's (default ``head_dim ** -0.5``).
+        sinks : torch.Tensor, optional
+            ``[num_qo_heads]`` float32: this layer's attention-sink logits, one per query
+            head, added to its softmax denominator.
         out : torch.Tensor, optional
             Written in place (q's dtype or float32).
         return_lse : bool
@@ -338,6 +351,8 @@ class BatchDecodeWrapper:
             v_scale=v_scale,
             kv_layout=self.kv_layout,
             sliding_window=self.sliding_window,
+            sinks=sinks,
+            logits_soft_cap=self.logits_soft_cap,
             out=out,
             return_lse=return_lse,
         )
@@ -358,6 +373,10 @@ def vllm_paged_decode(
     v_scale=None,
     kv_cache_dtype: str = "auto",
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     plan: DecodePlan | None = None,
     max_seq_len: int | None = None,
@@ -368,7 +387,8 @@ def vllm_paged_decode(
     ----------
     query : torch.Tensor
         ``[num_seqs * query_len, num_heads, head_size]`` bf16 or fp16 (``query_len`` new tokens
-        per sequence, consecutive rows; 1 for plain decode).
+        per sequence, consecutive rows; 1 for plain decode), or with ``query_start_loc``
+        ``[num_tokens, num_heads, head_size]``.
     key_cache, value_cache : torch.Tensor
         ``[num_blocks, block_size, num_kv_heads, head_size]`` (NHD), any strides (e.g. views
         ``kv_cache[:, 0]`` / ``kv_cache[:, 1]`` of vLLM's ``[num_blocks, 2, ...]`` tensor).
@@ -386,6 +406,18 @@ def vllm_paged_decode(
         head_size (per token and head). Ignored with ``kv_cache_dtype="auto"``, as in vLLM.
     kv_cache_dtype : {"auto", "fp8", "fp8_e4m3"}
     sliding_window : int, optional
+    logits_soft_cap : float, optional
+        Scores ``s`` become ``logits_soft_cap * tanh(s / logits_soft_cap)`` (vLLM's
+        ``logits_soft_cap``; None or 0 for none).
+    sinks : torch.Tensor, optional
+        ``[num_heads]`` float32 attention-sink logits (vLLM's ``sinks``).
+    query_start_loc : torch.Tensor, optional
+        ``[num_seqs + 1]`` int32 (vLLM's ``query_start_loc``): sequence ``b``'s new tokens are
+        query rows ``query_start_loc[b] : query_start_loc[b + 1]``; rows past the last are
+        not written.
+    max_query_len : int, optional
+        With ``query_start_loc`` and no ``plan``: the most new tokens a sequence has (vLLM's
+        ``max_query_len``, host-side); default as many as the kernel's tile holds.
     out : torch.Tensor, optional
         ``query``'s shape (or ``[num_tokens, num_heads * head_size]``, contiguous), written in
         place and returned.
@@ -470,20 +502,33 @@ def vllm_paged_decode(
     else:
         target = None
     batch = seq_lens.shape[0]
-    if plan is None:
+    if logits_soft_cap == 0:  # vLLM's "no soft cap"
+        logits_soft_cap = None
+    if max_query_len is not None:
+        max_query_len = _int_arg("max_query_len", max_query_len)
+        if query_start_loc is None:
+            _fail(ValueError, "max_query_len", "None without query_start_loc", max_query_len)
+    if plan is None and (query_start_loc is None or max_query_len is not None):
         kv_scale = (
             None if k_scale is None else ("per_tensor" if k_scale.numel() == 1 else "per_token")
         )
+        if query_start_loc is not None:
+            query_len = max_query_len
+        elif batch and query.shape[0] % batch == 0:
+            query_len = query.shape[0] // batch
+        else:
+            query_len = 1
         plan = api.plan_decode(
             seq_lens,
             num_q_heads=query.shape[1],
             num_kv_heads=key_cache.shape[2],
             head_dim=query.shape[2],
             page_size=key_cache.shape[1],
-            query_len=query.shape[0] // batch if batch and query.shape[0] % batch == 0 else 1,
+            query_len=query_len,
             kv_dtype=key_cache.dtype,
             kv_scale=kv_scale,
             max_seq_len=max_seq_len,
+            query_start_loc=query_start_loc,
         )
     result = api.paged_decode(
         query,
@@ -497,6 +542,9 @@ def vllm_paged_decode(
         v_scale=v_scale,
         kv_layout="NHD",
         sliding_window=sliding_window,
+        sinks=sinks,
+        logits_soft_cap=logits_soft_cap,
+        query_start_loc=query_start_loc,
         out=target,
     )
     return out if out is not None else result

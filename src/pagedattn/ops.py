@@ -4,12 +4,13 @@ Three ops in the ``pagedattn`` namespace, each with a fake (meta) implementation
 ``torch.compile(fullgraph=True)`` traces them without graph breaks:
 
 ``torch.ops.pagedattn.refill_plan(seq_lens, metadata, batch, query_len, num_q_heads,
-num_kv_heads, head_dim, page_size, kv_dtype, kv_scale, num_programs, partition_size)``
+num_kv_heads, head_dim, page_size, kv_dtype, kv_scale, num_programs, partition_size, ragged,
+batch_invariant, query_start_loc)``
     Runs the scheduler of :func:`pagedattn.plan_decode` (``reuse=`` path) into the plan's
-    ``metadata`` tensor, in place (a mutating op).
+    ``metadata`` tensor, in place (a mutating op); ``query_start_loc`` for a ragged plan.
 ``torch.ops.pagedattn.paged_decode(q, k_cache, v_cache, block_table, seq_lens, metadata,
-partials, <plan sizes>, sm_scale, k_scale, v_scale, kv_layout, sliding_window, return_lse,
-debug, exact_qk) -> (out, lse)``
+partials, <plan sizes>, sm_scale, k_scale, v_scale, kv_layout, sliding_window, sinks,
+logits_soft_cap, query_start_loc, return_lse, debug, exact_qk) -> (out, lse)``
     :func:`pagedattn.paged_decode` into a new ``out`` (q's dtype); ``lse`` is float32
     ``[rows, heads]`` with ``return_lse``, else an empty ``[0]`` tensor.
 ``torch.ops.pagedattn.paged_decode_out(..., out, lse)``
@@ -40,7 +41,7 @@ import warnings
 
 import torch
 
-from . import api
+from . import api, checks
 from .plan import DecodePlan, allocate_plan, plan_sizes
 
 __all__ = ["paged_decode", "plan_decode", "refill_plan"]
@@ -59,6 +60,8 @@ def _rebuild_plan(
     kv_scale: str | None,
     num_programs: int,
     partition_size: int | None,
+    ragged: bool = False,
+    batch_invariant: bool = False,
 ) -> DecodePlan:
     """A DecodePlan around the given buffers (the scheduler never touches ``partials``)."""
     if num_kv_heads < 1 or num_programs < 1 or num_programs % num_kv_heads:
@@ -66,7 +69,9 @@ def _rebuild_plan(
             f"num_programs: expected a positive multiple of num_kv_heads={num_kv_heads}, "
             f"got {num_programs}"
         )
-    max_works, max_partials, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
+    max_works, max_partials, max_reduces = plan_sizes(
+        batch, num_programs, num_kv_heads, batch_invariant
+    )
     plan = DecodePlan(
         batch=batch,
         query_len=query_len,
@@ -83,10 +88,12 @@ def _rebuild_plan(
         max_works=max_works,
         max_partials=max_partials,
         max_reduces=max_reduces,
+        ragged=ragged,
+        batch_invariant=batch_invariant,
     )
     # The kernels index these buffers by offsets derived from the sizes: a buffer of another
     # plan would be read and written out of bounds.
-    want_meta = plan.faults_offset + batch
+    want_meta = plan.metadata_size
     if metadata.dtype != torch.int32 or metadata.dim() != 1 or metadata.numel() != want_meta:
         raise ValueError(
             f"metadata: expected int32 of shape ({want_meta},) for these plan sizes, got "
@@ -119,6 +126,9 @@ def _refill_plan_op(
     kv_scale: str | None,
     num_programs: int,
     partition_size: int | None,
+    ragged: bool,
+    batch_invariant: bool,
+    query_start_loc: torch.Tensor | None = None,
 ) -> None:
     plan = _rebuild_plan(
         metadata,
@@ -133,7 +143,15 @@ def _refill_plan_op(
         kv_scale,
         num_programs,
         partition_size,
+        ragged,
+        batch_invariant,
     )
+    if ragged != (query_start_loc is not None):
+        raise ValueError(
+            f"query_start_loc: expected {'a tensor' if ragged else 'None'} for a plan made "
+            f"{'with' if ragged else 'without'} it, got "
+            f"{'None' if query_start_loc is None else 'a tensor'}"
+        )
     api.plan_decode(
         seq_lens,
         num_q_heads=num_q_heads,
@@ -146,6 +164,8 @@ def _refill_plan_op(
         num_programs=num_programs,
         partition_size=partition_size,
         reuse=plan,
+        query_start_loc=query_start_loc,
+        batch_invariant=batch_invariant,
     )
 
 
@@ -167,16 +187,20 @@ def _plan_args(plan: DecodePlan) -> tuple:
         plan.kv_scale,
         plan.num_programs,
         plan.partition_size,
+        plan.ragged,
+        plan.batch_invariant,
     )
 
 
-def refill_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> DecodePlan:
-    """Refills ``plan`` in place for this step's ``seq_lens`` (one launch, no host sync) and
-    returns it: ``pagedattn.plan_decode(seq_lens, ..., reuse=plan)`` with the plan's own
-    sizes, as a custom op."""
+def refill_plan(
+    plan: DecodePlan, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None = None
+) -> DecodePlan:
+    """Refills ``plan`` in place for this step's ``seq_lens`` (and ``query_start_loc``, for a
+    plan made with it; one launch, no host sync) and returns it: ``pagedattn.plan_decode(
+    seq_lens, ..., reuse=plan)`` with the plan's own sizes, as a custom op."""
     if not isinstance(plan, DecodePlan):
         raise TypeError(f"plan: expected a DecodePlan, got {type(plan).__name__}")
-    torch.ops.pagedattn.refill_plan(seq_lens, plan.metadata, *_plan_args(plan))
+    torch.ops.pagedattn.refill_plan(seq_lens, plan.metadata, *_plan_args(plan), query_start_loc)
     return plan
 
 
@@ -194,11 +218,14 @@ def _chosen_sizes(
     num_programs: int | None,
     partition_size: int | None,
     max_seq_len: int | None,
+    ragged: bool = False,
+    batch_invariant: bool = False,
 ) -> tuple:
     """The plan sizes ``pagedattn.plan_decode`` picks for these arguments (run once while
     tracing, its result a constant of the graph): it plans padding slots of this batch on this
     device and reads the sizes back, so grid and partition follow exactly the same rules and
     the same tuning table, and bad arguments raise its errors."""
+    rows = torch.zeros(batch + 1, dtype=torch.int32, device=device) if ragged else None
     plan = api.plan_decode(
         torch.zeros(batch, dtype=torch.int32, device=device),
         num_q_heads=num_q_heads,
@@ -211,6 +238,8 @@ def _chosen_sizes(
         num_programs=num_programs,
         partition_size=partition_size,
         max_seq_len=max_seq_len,
+        query_start_loc=rows,
+        batch_invariant=batch_invariant,
     )
     return plan.num_programs, plan.partition_size
 
@@ -229,6 +258,8 @@ def plan_decode(
     partition_size: int | None = None,
     reuse: DecodePlan | None = None,
     max_seq_len: int | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    batch_invariant: bool = False,
     **options,
 ) -> DecodePlan:
     """:func:`pagedattn.plan_decode`, traceable: eager calls are that function; under
@@ -237,6 +268,7 @@ def plan_decode(
     arguments of :func:`pagedattn.plan_decode`, passed on in eager calls; under
     ``torch.compile`` only None values are accepted."""
     _check_options("plan_decode", options)
+    ragged = query_start_loc is not None
     if not torch.compiler.is_compiling():
         return api.plan_decode(
             seq_lens,
@@ -251,6 +283,8 @@ def plan_decode(
             partition_size=partition_size,
             reuse=reuse,
             max_seq_len=max_seq_len,
+            query_start_loc=query_start_loc,
+            batch_invariant=batch_invariant,
             **options,
         )
     batch, device = seq_lens.shape[0], seq_lens.device
@@ -267,6 +301,8 @@ def plan_decode(
         num_programs,
         partition_size,
         max_seq_len,
+        ragged,
+        batch_invariant,
     )
     want = (
         batch,
@@ -279,6 +315,8 @@ def plan_decode(
         kv_scale,
         chosen_programs,
         chosen_partition,
+        ragged,
+        batch_invariant,
     )
     if reuse is not None:
         if not isinstance(reuse, DecodePlan):
@@ -289,9 +327,9 @@ def plan_decode(
                 f"reuse: expected a plan made for sizes {want} on {device}, got one with "
                 f"{have} on {reuse.metadata.device}"
             )
-        return refill_plan(reuse, seq_lens)
-    plan = allocate_plan(**dict(zip(DecodePlan.SIZE_FIELDS, (*want, device))))
-    return refill_plan(plan, seq_lens)
+        return refill_plan(reuse, seq_lens, query_start_loc)
+    sizes = dict(zip(DecodePlan.SIZE_FIELDS, (*want[:-2], device, *want[-2:])))
+    return refill_plan(allocate_plan(**sizes), seq_lens, query_start_loc)
 
 
 # -- decode -------------------------------------------------------------------------------------
@@ -311,12 +349,14 @@ def _decode_impl(
     v_scale,
     kv_layout,
     sliding_window,
+    features,
     return_lse,
     debug,
     exact_qk,
     out,
 ):
     plan = _rebuild_plan(metadata, partials, *plan_args)
+    sinks, logits_soft_cap, query_start_loc = features
     return api.paged_decode(
         q,
         k_cache,
@@ -329,6 +369,9 @@ def _decode_impl(
         v_scale=v_scale,
         kv_layout=kv_layout,
         sliding_window=sliding_window,
+        sinks=sinks,
+        logits_soft_cap=logits_soft_cap,
+        query_start_loc=query_start_loc,
         out=out,
         return_lse=return_lse,
         debug=debug,
@@ -355,17 +398,22 @@ def _paged_decode_op(
     kv_scale: str | None,
     num_programs: int,
     partition_size: int | None,
+    ragged: bool,
+    batch_invariant: bool,
     sm_scale: float | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     kv_layout: str,
     sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    logits_soft_cap: float | None,
+    query_start_loc: torch.Tensor | None,
     return_lse: bool,
     debug: bool,
     exact_qk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     plan_args = (batch, query_len, num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype)
-    plan_args += (kv_scale, num_programs, partition_size)
+    plan_args += (kv_scale, num_programs, partition_size, ragged, batch_invariant)
     result = _decode_impl(
         q,
         k_cache,
@@ -380,6 +428,7 @@ def _paged_decode_op(
         v_scale,
         kv_layout,
         sliding_window,
+        (sinks, logits_soft_cap, query_start_loc),
         return_lse,
         debug,
         exact_qk,
@@ -419,18 +468,23 @@ def _paged_decode_out_op(
     kv_scale: str | None,
     num_programs: int,
     partition_size: int | None,
+    ragged: bool,
+    batch_invariant: bool,
     sm_scale: float | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     kv_layout: str,
     sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    logits_soft_cap: float | None,
+    query_start_loc: torch.Tensor | None,
     debug: bool,
     exact_qk: bool,
     out: torch.Tensor,
     lse: torch.Tensor | None,
 ) -> None:
     plan_args = (batch, query_len, num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype)
-    plan_args += (kv_scale, num_programs, partition_size)
+    plan_args += (kv_scale, num_programs, partition_size, ragged, batch_invariant)
     result = _decode_impl(
         q,
         k_cache,
@@ -445,6 +499,7 @@ def _paged_decode_out_op(
         v_scale,
         kv_layout,
         sliding_window,
+        (sinks, logits_soft_cap, query_start_loc),
         lse is not None,
         debug,
         exact_qk,
@@ -488,6 +543,9 @@ def paged_decode(
     v_scale: torch.Tensor | None = None,
     kv_layout: str = "NHD",
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
+    query_start_loc: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     debug: bool = False,
@@ -515,6 +573,9 @@ def paged_decode(
             v_scale=v_scale,
             kv_layout=kv_layout,
             sliding_window=sliding_window,
+            sinks=sinks,
+            logits_soft_cap=logits_soft_cap,
+            query_start_loc=query_start_loc,
             out=out,
             return_lse=return_lse,
             debug=debug,
@@ -524,15 +585,23 @@ def paged_decode(
     if plan is None:
         batch = seq_lens.shape[0]
         heads_dim = 2 if kv_layout == "NHD" else 1
+        num_kv_heads = k_cache.shape[heads_dim]
+        if query_start_loc is not None:
+            # As pagedattn.paged_decode plans for ragged rows: as many as one tile holds.
+            group = max(q.shape[1] // max(num_kv_heads, 1), 1)
+            query_len = max(1, min(q.shape[0], checks.MAX_ROWS // group))
+        else:
+            query_len = q.shape[0] // batch if batch else 1
         plan = plan_decode(
             seq_lens,
             num_q_heads=q.shape[1],
-            num_kv_heads=k_cache.shape[heads_dim],
+            num_kv_heads=num_kv_heads,
             head_dim=q.shape[2],
             page_size=k_cache.shape[3 - heads_dim],
-            query_len=q.shape[0] // batch if batch else 1,
+            query_len=query_len,
             kv_dtype=k_cache.dtype,
             kv_scale=_kv_scale_mode(k_scale),
+            query_start_loc=query_start_loc,
         )
     if not isinstance(plan, DecodePlan):
         raise TypeError(f"plan: expected a DecodePlan, got {type(plan).__name__}")
@@ -540,6 +609,8 @@ def paged_decode(
         sm_scale = float(sm_scale)
     if sliding_window is not None and not isinstance(sliding_window, int):
         sliding_window = int(sliding_window)
+    if logits_soft_cap is not None and not isinstance(logits_soft_cap, bool):
+        logits_soft_cap = float(logits_soft_cap)
     common = (
         q,
         k_cache,
@@ -554,6 +625,9 @@ def paged_decode(
         v_scale,
         kv_layout,
         sliding_window,
+        sinks,
+        logits_soft_cap,
+        query_start_loc,
     )
     if out is not None:
         lse = None
