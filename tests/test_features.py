@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, requires_gpu
 
 import pagedattn
 from pagedattn import ops
@@ -576,3 +576,22 @@ def test_custom_ops_and_engine_entry_points_pass_the_features(gen):
     ref_rows = _reference(ragged, cache, q_rows, query_start_loc=qsl, **kw)
     assert rel_error(out[:2], ref_rows[0][:2]) < tolerance(BF16, BF16)
     _check_untouched(out, slice(2, 3))
+
+
+@requires_gpu
+def test_features_never_sync(gen):
+    """Planning and decoding with every feature (a batch-invariant ragged plan, sinks, the
+    soft cap) read nothing back from the GPU."""
+    step = Step((50, 0, 9, 33), query_len=2)
+    cache, q = _inputs(step, gen, q_rows=7)
+    qsl = _qsl([0, 2, 2, 4, 5])
+    kw = dict(sinks=_sinks(step, gen), logits_soft_cap=30.0, query_start_loc=qsl)
+    plan = _plan(step, cache.seq_lens, query_start_loc=qsl, batch_invariant=True)
+    _decode(step, cache, q, plan, **kw)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = _plan(step, cache.seq_lens, query_start_loc=qsl, batch_invariant=True)
+        _decode(step, cache, q, plan, debug=False, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
