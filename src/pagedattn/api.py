@@ -98,7 +98,12 @@ def tracing(buffer: torch.Tensor):
 
 
 BACKENDS = ("auto", "triton", "gluon")
-# Inside ``using_backend``: what ``backend="auto"`` means.
+# What ``backend="auto"`` takes where nothing else is asked for: the portable family, measured
+# faster than the Hopper family on every seed shape tried on the H200 (decode alone, 74-80%
+# of the read ceiling against 68-76% at best; `benchmarks/micro.py gluon`,
+# docs/performance-log.md, "The Hopper family").
+AUTO_FAMILY = "triton"
+# Inside ``using_backend``: what ``backend="auto"`` prefers.
 _AUTO_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar(
     "pagedattn_backend", default="auto"
 )
@@ -106,10 +111,11 @@ _AUTO_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def using_backend(backend: str):
-    """Inside this block, :func:`paged_decode` calls with ``backend="auto"`` (the default) take
-    ``backend`` instead: "triton" (the portable family everywhere) or "gluon" (the Hopper
-    family, with its errors for what it does not cover); "auto" restores the default. For
-    engines that pick a family once, and for tests that run every call on each."""
+    """Inside this block, :func:`paged_decode` calls with ``backend="auto"`` (the default)
+    prefer ``backend``: "triton" (the portable family everywhere) or "gluon" (the Hopper
+    family wherever it covers the call, the portable one elsewhere); "auto" restores the
+    default (:data:`AUTO_FAMILY`). For engines that pick a family once, and for tests that run
+    every call on each."""
     _check_backend(backend)
     token = _AUTO_BACKEND.set(backend)
     try:
@@ -154,8 +160,11 @@ def _pick_backend(backend, shape, q, plan, *, k_cache, v_cache, kv_layout, slidi
     """The family that runs a checked call: "triton" or "gluon". ``uses``: what else the call
     asks for that only the portable family has, as (asked, what) pairs."""
     _check_backend(backend)
+    strict = backend == "gluon"
     if backend == "auto":
         backend = _AUTO_BACKEND.get()
+        if backend == "auto":
+            backend = AUTO_FAMILY
     if backend == "triton":
         return "triton"
     reason = _hopper_reason(q.device)
@@ -175,7 +184,7 @@ def _pick_backend(backend, shape, q, plan, *, k_cache, v_cache, kv_layout, slidi
         )
     if reason is None:
         return "gluon"
-    if backend == "gluon":
+    if strict:
         raise ValueError(
             f"backend='gluon': the Hopper family expects {reason.removeprefix('expected ')}"
         )
@@ -549,9 +558,10 @@ def paged_decode(
         the interpreter). "gluon": the Hopper family (sm_90, Triton 3.6), which covers FP8
         e4m3 KV with a bf16 query, query_len 1, up to 16 query heads per kv head, head_dim
         128, page_size a multiple of 128, plan partitions of at least 128 tokens, no sliding
-        window; it raises ``ValueError`` for anything else. "auto" (default): the Hopper
-        family where it covers the call, else the portable one (see :func:`using_backend`).
-        Both read the same plan and share the reducer.
+        window; it raises ``ValueError`` for anything else. "auto" (default): the faster
+        family for the call as measured on the H200, today the portable one everywhere
+        (:data:`AUTO_FAMILY`; :func:`using_backend` changes the preference). Both read the
+        same plan and share the reducer.
 
     Returns
     -------
@@ -648,6 +658,8 @@ def paged_decode(
             *portable_features(
                 sinks=sinks, logits_soft_cap=logits_soft_cap, query_start_loc=query_start_loc
             ),
+            (plan.ragged, "plans for ragged query rows"),
+            (plan.batch_invariant, "batch-invariant plans"),
         ),
     )
     if out is None:
