@@ -332,7 +332,12 @@ def features(args: argparse.Namespace) -> None:
             )
         ] + [
             (3, "uniform 3 rows", {}, {}),
-            (4, "ragged 2/4 rows", dict(query_start_loc=starts.to(device)), {}),
+            (
+                4,
+                "ragged 2/4 rows",
+                dict(query_start_loc=starts.to(device)),
+                dict(query_start_loc=starts.to(device)),
+            ),
         ]
         for query_len, name, call_kw, plan_kw in variants:
             case = dataclasses.replace(base, query_len=query_len)
