@@ -291,6 +291,30 @@ def _pick(v, lanes, l: tl.constexpr):
 
 
 @triton.jit
+def _metadata(metadata_ptr, batch, max_works, max_reduces, NUM_PROGRAMS: tl.constexpr):
+    """The plan's metadata regions (plan.py states the layout): work_indptr, works, reduces,
+    planned lengths, faults, planned rows."""
+    works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
+    reduces_ptr = works_ptr + max_works * WORK_FIELDS
+    planned_ptr = reduces_ptr + max_reduces * REDUCE_FIELDS + 1
+    faults_ptr = planned_ptr + batch
+    return metadata_ptr, works_ptr, reduces_ptr, planned_ptr, faults_ptr, faults_ptr + batch
+
+
+@triton.jit
+def _store_work(rec, program, seq, kv_head, tok_start, tok_end, slot, mask, GROUP: tl.constexpr):
+    """One work record (records.py's fields) per lane of ``rec`` where ``mask``."""
+    tl.store(rec + WORK_PROGRAM, program, mask=mask)
+    tl.store(rec + WORK_SEQ, seq, mask=mask)
+    tl.store(rec + WORK_KV_HEAD, kv_head, mask=mask)
+    tl.store(rec + WORK_Q_HEAD_START, kv_head * GROUP, mask=mask)
+    tl.store(rec + WORK_Q_HEAD_END, (kv_head + 1) * GROUP, mask=mask)
+    tl.store(rec + WORK_TOKEN_START, tok_start, mask=mask)
+    tl.store(rec + WORK_TOKEN_END, tok_end, mask=mask)
+    tl.store(rec + WORK_PARTIAL_SLOT, slot, mask=mask)
+
+
+@triton.jit
 def _write_works(
     works_ptr,
     reduces_ptr,
@@ -326,14 +350,7 @@ def _write_works(
     tok_end = tl.minimum((tl.minimum(cum_incl, p_end) - cum_excl) << shift, lens)
     rec = works_ptr + (work_base + idx).to(tl.int64) * WORK_FIELDS
     zero = tl.zeros_like(seq)
-    tl.store(rec + WORK_PROGRAM, zero + pid, mask=mine)
-    tl.store(rec + WORK_SEQ, seq, mask=mine)
-    tl.store(rec + WORK_KV_HEAD, zero + kv_head, mask=mine)
-    tl.store(rec + WORK_Q_HEAD_START, zero + kv_head * GROUP, mask=mine)
-    tl.store(rec + WORK_Q_HEAD_END, zero + (kv_head + 1) * GROUP, mask=mine)
-    tl.store(rec + WORK_TOKEN_START, tok_start, mask=mine)
-    tl.store(rec + WORK_TOKEN_END, tok_end, mask=mine)
-    tl.store(rec + WORK_PARTIAL_SLOT, slot, mask=mine)
+    _store_work(rec, zero + pid, seq, zero + kv_head, tok_start, tok_end, slot, mine, GROUP)
     # The program holding a cut sequence's first piece writes its reduce record.
     starts_cut = cut & (first == local)
     red = reduces_ptr + reduce_index.to(tl.int64) * REDUCE_FIELDS + zero
@@ -369,12 +386,9 @@ def _schedule_kernel(
     # kernel (the decode) may launch at once
 ):
     grid_dependency(PDL, PDL)
-    work_indptr_ptr = metadata_ptr
-    works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
-    reduces_ptr = works_ptr + max_works * WORK_FIELDS
-    planned_ptr = reduces_ptr + max_reduces * REDUCE_FIELDS + 1
-    faults_ptr = planned_ptr + batch
-    rows_ptr = faults_ptr + batch
+    work_indptr_ptr, works_ptr, reduces_ptr, planned_ptr, faults_ptr, rows_ptr = _metadata(
+        metadata_ptr, batch, max_works, max_reduces, NUM_PROGRAMS
+    )
     # Ragged rows: a length need only cover its sequence's rows, which the decode kernel
     # checks (the faults are recorded here).
     if RAGGED:
@@ -694,12 +708,9 @@ def _schedule_invariant_kernel(
     blocks this program owns."""
     grid_dependency(PDL, PDL)
     NUM_KV_HEADS: tl.constexpr = NUM_PROGRAMS // PROGRAMS_PER_HEAD
-    work_indptr_ptr = metadata_ptr
-    works_ptr = metadata_ptr + (NUM_PROGRAMS + 1)
-    reduces_ptr = works_ptr + max_works * WORK_FIELDS
-    planned_ptr = reduces_ptr + max_reduces * REDUCE_FIELDS + 1
-    faults_ptr = planned_ptr + batch
-    rows_ptr = faults_ptr + batch
+    work_indptr_ptr, works_ptr, reduces_ptr, planned_ptr, faults_ptr, rows_ptr = _metadata(
+        metadata_ptr, batch, max_works, max_reduces, NUM_PROGRAMS
+    )
     if RAGGED:
         min_len = 0
     else:
@@ -777,14 +788,8 @@ def _schedule_invariant_kernel(
                         works_ptr + (h * total_chunks + first_chunk + j).to(tl.int64) * WORK_FIELDS
                     )
                     head = tl.zeros_like(seq) + h
-                    tl.store(rec + WORK_PROGRAM, h * PROGRAMS_PER_HEAD + program, mask=mine)
-                    tl.store(rec + WORK_SEQ, seq, mask=mine)
-                    tl.store(rec + WORK_KV_HEAD, head, mask=mine)
-                    tl.store(rec + WORK_Q_HEAD_START, head * GROUP, mask=mine)
-                    tl.store(rec + WORK_Q_HEAD_END, (head + 1) * GROUP, mask=mine)
-                    tl.store(rec + WORK_TOKEN_START, tok_start, mask=mine)
-                    tl.store(rec + WORK_TOKEN_END, tok_end, mask=mine)
-                    tl.store(rec + WORK_PARTIAL_SLOT, slot, mask=mine)
+                    program = h * PROGRAMS_PER_HEAD + program
+                    _store_work(rec, program, seq, head, tok_start, tok_end, slot, mine, GROUP)
                 red = reduces_ptr + (h * total_cut + reduce_index).to(tl.int64) * REDUCE_FIELDS
                 tl.store(red + REDUCE_SEQ, seq, mask=cut)
                 tl.store(red + REDUCE_KV_HEAD, tl.zeros_like(seq) + h, mask=cut)
