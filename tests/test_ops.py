@@ -241,3 +241,47 @@ def test_options_outside_the_ops_are_refused_under_compile(gen):
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"launch_config: expected None when paged_decode runs"):
         torch.compile(step, fullgraph=True, backend="eager")(q, *_decode_args(cache))
+
+
+def _layer(plan, q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
+    """A layer's attention on a plan refilled outside it (as a serving step does once)."""
+    out = pagedattn.paged_decode(
+        q, k_cache, v_cache, block_table, seq_lens, plan=plan, k_scale=k_scale, v_scale=v_scale
+    )
+    return out * 2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs (mode='reduce-overhead') need a GPU")
+@pytest.mark.parametrize("with_refill", [False, True], ids=["layer", "step-with-refill"])
+def test_compile_reduce_overhead_replays_cuda_graphs(gen, with_refill):
+    """torch.compile(mode="reduce-overhead"): the compiled call runs as CUDA-graph replays (no
+    cudagraph skip recorded) and gives the eager bits, also after the lengths change."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = _compiled_step if with_refill else _layer
+    compiled = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+    cache, q = _step(gen)
+    k_cache, v_cache, table, seq_lens = _decode_args(cache)
+    plan = pagedattn.plan_decode(seq_lens, **SIZES)
+    eager_plan = pagedattn.plan_decode(seq_lens, **SIZES)
+    lens = seq_lens.clone()
+    shorter = seq_lens - torch.tensor([2, 21, 0], dtype=torch.int32, device=DEVICE)
+    for step in range(4):  # warm-up, recording, then replays; the lengths change on the way
+        lens.copy_(seq_lens if step % 2 == 0 else shorter)
+        if with_refill:
+            got = compiled(plan, lens, q, k_cache, v_cache, table, cache.k_scale, cache.v_scale)
+            want = _compiled_step(
+                eager_plan, lens, q, k_cache, v_cache, table, cache.k_scale, cache.v_scale
+            )
+        else:
+            pagedattn.plan_decode(lens, **SIZES, reuse=plan)
+            pagedattn.plan_decode(lens, **SIZES, reuse=eager_plan)
+            got = (compiled(plan, q, k_cache, v_cache, table, lens, cache.k_scale, cache.v_scale),)
+            want = (_layer(eager_plan, q, k_cache, v_cache, table, lens, cache.k_scale,
+                           cache.v_scale),)  # fmt: skip
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), f"step {step}"
+    skips = dict(counters["inductor"])
+    assert not any("cudagraph_skip" in k for k in skips), skips
