@@ -3,20 +3,21 @@
 # model's decode loop, tests at realistic sizes, compute-sanitizer on a
 # small decode, the fuzzer (valid and corrupted steps, also under compute-sanitizer),
 # scheduler timing, the offline tuner, the side-by-side benchmark; a short summary printed
-# last. Logs go to /tmp/gpu_logs; the results worth keeping go to $OUT.
+# last. Logs go to /tmp/gpu_logs; the results worth keeping go to $RESULTS (default
+# /tmp/gpu_check_out).
 #   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|all|profile|ab|
 #   ab_src] [args]
 # (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
-# $OUT/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
+# $RESULTS/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
 # pagedattn alone with the sources in DIR (a checkout's src/ and benchmarks/, e.g.
 # `mkdir .ab_base && git archive REV src benchmarks | tar -x -C .ab_base`) and with these,
 # rounds A B, B A, ..., compared by scripts/ab_env.py)
 set -u
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpu_check_out}
+RESULTS=${RESULTS:-/tmp/gpu_check_out}
 LOGS=/tmp/gpu_logs
-mkdir -p "$OUT" "$LOGS"
+mkdir -p "$RESULTS" "$LOGS"
 MODE=${1:-all}
 shift || true
 if ls .whl/*.whl >/dev/null 2>&1; then  # peers (FlashInfer) installed from wheels
@@ -35,25 +36,25 @@ if [[ $MODE == gluon || $MODE == all ]]; then
   python3 -m pytest -q -p no:cacheprovider -x tests/test_gluon.py >"$LOGS/gluon_tests.log" 2>&1
   summary+=("gluon tests: $(tail -1 "$LOGS/gluon_tests.log")")
   grep -E "^(FAILED|ERROR)|Error|error:" "$LOGS/gluon_tests.log" | head -20
-  cp "$LOGS/gluon_tests.log" "$OUT"/
+  cp "$LOGS/gluon_tests.log" "$RESULTS"/
   timeout "${SWEEP_SECONDS:-240}" python3 benchmarks/micro.py gluon ${GLUON_SWEEP_ARGS:-} \
-    >"$OUT/micro_gluon.txt" 2>&1
-  summary+=("gluon sweep rc $?: $OUT/micro_gluon.txt")
-  grep -E "^\|" "$OUT/micro_gluon.txt" | tail -30
+    >"$RESULTS/micro_gluon.txt" 2>&1
+  summary+=("gluon sweep rc $?: $RESULTS/micro_gluon.txt")
+  grep -E "^\|" "$RESULTS/micro_gluon.txt" | tail -30
 fi
 
 if [[ $MODE == features || $MODE == all ]]; then
   # Each serving feature's cost against the plain step.
-  timeout "${FEATURES_SECONDS:-240}" python3 benchmarks/micro.py features >"$OUT/features.txt" 2>&1
-  summary+=("features rc $?: $OUT/features.txt")
-  grep -E "^\||failed|WRONG" "$OUT/features.txt" | tail -30
+  timeout "${FEATURES_SECONDS:-240}" python3 benchmarks/micro.py features >"$RESULTS/features.txt" 2>&1
+  summary+=("features rc $?: $RESULTS/features.txt")
+  grep -E "^\||failed|WRONG" "$RESULTS/features.txt" | tail -30
 fi
 
 if [[ $MODE == example || $MODE == all ]]; then
   # A model's decode loop on pagedattn, both caches (tokens/s against transformers' attention).
   for kv in bf16 fp8; do
-    timeout 300 python3 examples/generate.py --kv-cache $kv >"$OUT/generate_$kv.txt" 2>&1
-    summary+=("generate $kv rc $?: $(tail -3 "$OUT/generate_$kv.txt" | tr '\n' ' ')")
+    timeout 300 python3 examples/generate.py --kv-cache $kv >"$RESULTS/generate_$kv.txt" 2>&1
+    summary+=("generate $kv rc $?: $(tail -3 "$RESULTS/generate_$kv.txt" | tr '\n' ' ')")
   done
 fi
 
@@ -68,7 +69,7 @@ if [[ $MODE == tests || $MODE == all ]]; then
   compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/sanitize_decode.py \
     >"$LOGS/sanitizer.log" 2>&1
   summary+=("sanitizer (rc $?): $(grep -E 'ERROR SUMMARY|rel err' "$LOGS/sanitizer.log" | tr '\n' ' ')")
-  cp "$LOGS"/pytest.log "$OUT"/
+  cp "$LOGS"/pytest.log "$RESULTS"/
 fi
 
 if [[ $MODE == fuzz || $MODE == all ]]; then
@@ -81,30 +82,30 @@ if [[ $MODE == fuzz || $MODE == all ]]; then
     --corrupt 400 --max-batch 8 --max-len 600 --seed 1 --seconds "${SANITIZE_SECONDS:-150}" \
     >"$LOGS/sanitizer_fuzz.log" 2>&1
   summary+=("sanitizer fuzz (rc $?): $(grep -E 'ERROR SUMMARY|^fuzz:' "$LOGS/sanitizer_fuzz.log" | tr '\n' ' ')")
-  cp "$LOGS"/fuzz.log "$LOGS"/sanitizer_fuzz.log "$OUT"/ 2>/dev/null
-  python3 benchmarks/micro.py schedule >"$OUT/schedule.md" 2>&1
-  summary+=("scheduler: $OUT/schedule.md")
+  cp "$LOGS"/fuzz.log "$LOGS"/sanitizer_fuzz.log "$RESULTS"/ 2>/dev/null
+  python3 benchmarks/micro.py schedule >"$RESULTS/schedule.md" 2>&1
+  summary+=("scheduler: $RESULTS/schedule.md")
 fi
 
 if [[ $MODE == tune || $MODE == all ]]; then
-  python3 -m pagedattn tune --preset seed --table "$OUT/nvidia_h200.csv" \
-    --max-minutes "${TUNE_MINUTES:-3}" >"$OUT/tune.log" 2>&1
-  summary+=("tune rc $?: $(grep -iE 'geometric|worst|noise' "$OUT/tune.log" | tail -3 | tr '\n' ' ')")
+  python3 -m pagedattn tune --preset seed --table "$RESULTS/nvidia_h200.csv" \
+    --max-minutes "${TUNE_MINUTES:-3}" >"$RESULTS/tune.log" 2>&1
+  summary+=("tune rc $?: $(grep -iE 'geometric|worst|noise' "$RESULTS/tune.log" | tail -3 | tr '\n' ' ')")
 fi
 
 if [[ $MODE == bench || $MODE == all ]]; then
   # A table tuned in this run overrides the shipped one for the tuned provider.
-  [[ -f $OUT/nvidia_h200.csv ]] && export PAGEDATTN_TUNING_TABLE=$OUT/nvidia_h200.csv
-  python3 -m pagedattn bench --out "$OUT" "$@" >"$LOGS/bench.log" 2>&1
+  [[ -f $RESULTS/nvidia_h200.csv ]] && export PAGEDATTN_TUNING_TABLE=$RESULTS/nvidia_h200.csv
+  python3 -m pagedattn bench --out "$RESULTS" "$@" >"$LOGS/bench.log" 2>&1
   summary+=("bench rc $?")
   tail -40 "$LOGS/bench.log"
 fi
 
 if [[ $MODE == profile ]]; then
-  python3 scripts/host_overhead.py >"$OUT/host.md" 2>&1
-  summary+=("host: $(grep -E '^\| (plan_decode|paged_decode)' "$OUT/host.md" | tr '\n' ' ')")
-  python3 scripts/trace_decode.py "$@" >"$OUT/trace.txt" 2>&1
-  summary+=("trace: $(grep -E 'programs,' "$OUT/trace.txt" | tr '\n' ' ')")
+  python3 scripts/host_overhead.py >"$RESULTS/host.md" 2>&1
+  summary+=("host: $(grep -E '^\| (plan_decode|paged_decode)' "$RESULTS/host.md" | tr '\n' ' ')")
+  python3 scripts/trace_decode.py "$@" >"$RESULTS/trace.txt" 2>&1
+  summary+=("trace: $(grep -E 'programs,' "$RESULTS/trace.txt" | tr '\n' ' ')")
 fi
 
 if [[ $MODE == ab ]]; then
@@ -123,7 +124,7 @@ if [[ $MODE == ab ]]; then
     done
     python3 scripts/ab_env.py "$AB/${VAR}_0/$name.csv" "$AB/${VAR}_1/$name.csv" | grep geomean
   done
-  tar -C $AB -czf "$OUT/ab.tar.gz" .
+  tar -C $AB -czf "$RESULTS/ab.tar.gz" .
 fi
 
 if [[ $MODE == ab_src ]]; then
@@ -144,10 +145,10 @@ if [[ $MODE == ab_src ]]; then
       if [[ $v == base ]]; then base_csvs+=("$AB/base_$round/seed.csv"); else new_csvs+=("$AB/new_$round/seed.csv"); fi
     done
     python3 scripts/ab_env.py "$(IFS=,; echo "${base_csvs[*]}")" "$(IFS=,; echo "${new_csvs[*]}")" \
-      >"$OUT/ab_src.md"
-    tar -C $AB -czf "$OUT/ab_src.tar.gz" .
+      >"$RESULTS/ab_src.md"
+    tar -C $AB -czf "$RESULTS/ab_src.tar.gz" .
   done
-  tail -45 "$OUT/ab_src.md"
+  tail -45 "$RESULTS/ab_src.md"
 fi
 
 echo "================ summary"

@@ -38,7 +38,7 @@ RESULTS_DIR = Path("benchmarks") / "results"  # under the current folder (a chec
 ERROR_BOUNDS = {"fp8": 2e-2, "bf16": 1e-2, "fp16": 1e-2}
 MAIN = "pagedattn"  # the provider the markdown compares with each peer
 COPY_MEMORY_SHARE = 0.5  # of free GPU memory, for the timing rotation's KV copies
-MAX_LISTED_FAILURES = 20  # the GPU machine returns only the output's tail
+MAX_LISTED_FAILURES = 20  # a long run's log is read from its tail
 
 
 class UsageError(ValueError):
