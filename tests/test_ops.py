@@ -252,16 +252,11 @@ def _layer(plan, q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs (mode='reduce-overhead') need a GPU")
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: Inductor records 'skipping cudagraphs due to mutated inputs' (the "
-    "ops write the plan's buffers, marked static or not) and runs the graph eagerly; the bits "
-    "match eager (checked before the skip check)",
-)
 @pytest.mark.parametrize("with_refill", [False, True], ids=["layer", "step-with-refill"])
 def test_compile_reduce_overhead_replays_cuda_graphs(gen, with_refill):
     """torch.compile(mode="reduce-overhead"): the compiled call runs as CUDA-graph replays (no
-    cudagraph skip recorded) and gives the eager bits, also after the lengths change."""
+    cudagraph skip recorded: the plan's buffers, which the ops write, are static addresses)
+    and gives the eager bits, also after the lengths change."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

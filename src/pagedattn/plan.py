@@ -344,6 +344,15 @@ def allocate_plan(
         n_meta += ROWS_FIELDS * batch
     rows = query_len * (num_q_heads // num_kv_heads)
     n_partials = max_partials * rows * (head_dim + 1)
+    metadata = torch.empty(n_meta, dtype=torch.int32, device=device)
+    partials = torch.empty(n_partials, dtype=torch.float32, device=device)
+    # What torch._dynamo.mark_static_address(t, guard=False) sets (without importing Dynamo
+    # into every process): the buffers live as long as the plan, like a module's parameters,
+    # so torch.compile(mode="reduce-overhead") replays its CUDA graph on them in place (the
+    # ops write them) instead of skipping the graph for mutated inputs; a new plan re-records.
+    # (Buffers made inside a compiled function are the graph's own: nothing to mark.)
+    if not torch.compiler.is_compiling():
+        metadata._dynamo_static_input_type = partials._dynamo_static_input_type = "unguarded"
     return DecodePlan(
         batch=batch,
         query_len=query_len,
@@ -355,8 +364,8 @@ def allocate_plan(
         kv_scale=kv_scale,
         num_programs=num_programs,
         partition_size=partition_size,
-        metadata=torch.empty(n_meta, dtype=torch.int32, device=device),
-        partials=torch.empty(n_partials, dtype=torch.float32, device=device),
+        metadata=metadata,
+        partials=partials,
         max_works=max_works,
         max_partials=max_partials,
         max_reduces=max_reduces,
