@@ -286,3 +286,11 @@ def test_compile_reduce_overhead_replays_cuda_graphs(gen, with_refill):
             assert torch.equal(g, w), f"step {step}"
     skips = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
     assert not any("skip" in k for k in skips), skips
+    # And a further call is a graph replay, not the kernels launched one by one.
+    args = (plan, lens) if with_refill else (plan,)
+    rest = (q, k_cache, v_cache, table) if with_refill else (q, k_cache, v_cache, table, lens)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(*args, *rest, cache.k_scale, cache.v_scale)
+        torch.cuda.synchronize()
+    names = {event.name for event in prof.events()}
+    assert any("cudaGraphLaunch" in name for name in names), sorted(names)[:20]
