@@ -12,7 +12,8 @@
 # $RESULTS/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
 # pagedattn alone with the sources in DIR (a checkout's src/ and benchmarks/, e.g.
 # `mkdir .ab_base && git archive REV src benchmarks | tar -x -C .ab_base`) and with these,
-# rounds A B, B A, ..., compared by scripts/ab_env.py)
+# rounds A B, B A, ... (AB_ROUNDS, default 2), compared by scripts/ab_env.py; bench case
+# options after DIR replace the seed preset)
 set -u
 export PYTHONUNBUFFERED=1
 RESULTS=${RESULTS:-/tmp/gpu_check_out}
@@ -130,6 +131,9 @@ fi
 if [[ $MODE == ab_src ]]; then
   # Rounds in the order A B, B A, ... (drift cancels); the comparison is rewritten after each.
   BASE=$1
+  shift
+  cases=("$@")
+  ((${#cases[@]})) || cases=(--preset seed)
   AB=/tmp/ab_src
   mkdir -p $AB
   base_csvs=() new_csvs=()
@@ -139,7 +143,7 @@ if [[ $MODE == ab_src ]]; then
     for v in $order; do
       src=$PWD/src
       [[ $v == base ]] && src=$PWD/$BASE/src
-      PYTHONPATH=$src:${PYTHONPATH#*:} python3 -m pagedattn bench --preset seed \
+      PYTHONPATH=$src:${PYTHONPATH#*:} python3 -m pagedattn bench "${cases[@]}" --name seed \
         --providers pagedattn --no-plots --out "$AB/${v}_$round" >"$LOGS/ab_${v}_$round.log" 2>&1
       summary+=("ab_src $v round $round rc $? at $(date +%T)")
       if [[ $v == base ]]; then base_csvs+=("$AB/base_$round/seed.csv"); else new_csvs+=("$AB/new_$round/seed.csv"); fi

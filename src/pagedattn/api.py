@@ -156,9 +156,10 @@ def _hopper_reason(device: torch.device) -> str | None:
     return _hopper_reasons[device]
 
 
-def _pick_backend(backend, shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window, uses):
+def _pick_backend(backend, shape, q, plan, *, uses, **call):
     """The family that runs a checked call: "triton" or "gluon". ``uses``: what else the call
-    asks for that only the portable family has, as (asked, what) pairs."""
+    asks for that only the portable family has, as (asked, what) pairs; ``call``: the rest of
+    what :func:`pagedattn._kernels.gluon_decode.unsupported` judges."""
     _check_backend(backend)
     strict = backend == "gluon"
     if backend == "auto":
@@ -173,15 +174,7 @@ def _pick_backend(backend, shape, q, plan, *, k_cache, v_cache, kv_layout, slidi
     if reason is None:
         from ._kernels import gluon_decode
 
-        reason = gluon_decode.unsupported(
-            shape,
-            q,
-            plan,
-            k_cache=k_cache,
-            v_cache=v_cache,
-            kv_layout=kv_layout,
-            sliding_window=sliding_window,
-        )
+        reason = gluon_decode.unsupported(shape, q, plan, **call)
     if reason is None:
         return "gluon"
     if strict:
@@ -662,50 +655,13 @@ def paged_decode(
             (plan.batch_invariant, "batch-invariant plans"),
         ),
     )
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    if shape.batch == 0:
-        return (out, lse) if return_lse else out
-
-    if sm_scale is None:
-        sm_scale = shape.head_dim**-0.5
-    if family == "gluon":
-        from ._kernels import gluon_decode
-
-        gluon_decode.launch(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            plan,
-            shape,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            sm_scale=sm_scale,
-            kv_layout=kv_layout,
-            out=out,
-            lse=lse,
-        )
-    else:
-        _portable_decode(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            plan,
-            shape,
-            sm_scale=sm_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            kv_layout=kv_layout,
+    portable_args = {}
+    if family == "triton":
+        portable_args = dict(
             sliding_window=sliding_window,
-            out=out,
-            lse=lse,
             exact_qk=exact_qk,
             launch_config=launch_config,
             trace=trace,
@@ -713,9 +669,43 @@ def paged_decode(
             logits_soft_cap=logits_soft_cap,
             query_start_loc=query_start_loc,
         )
-    if debug:
+    out = _run_checked(
+        family,
+        (q, k_cache, v_cache, block_table, seq_lens, plan, shape),
+        sm_scale=sm_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_layout=kv_layout,
+        out=out,
+        lse=lse,
+        **portable_args,
+    )
+    if debug and shape.batch:
         _raise_faults(plan)
     return (out, lse) if return_lse else out
+
+
+def _run_checked(family: str, checked: tuple, *, sm_scale, out, lse, **family_args) -> torch.Tensor:
+    """Decodes a checked call on ``family`` ("triton" or "gluon") and returns ``out``.
+    ``checked``: ``(q, k_cache, v_cache, block_table, seq_lens, plan, shape)``, ``shape`` from
+    :func:`pagedattn.checks.check_decode_args`; ``out`` None: a new tensor of q's shape;
+    ``sm_scale`` None: ``head_dim ** -0.5``; ``family_args``: the rest of that family's
+    launch arguments (the scales and the layout, and the portable family's options)."""
+    q, shape = checked[0], checked[-1]
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if shape.batch == 0:
+        return out
+    if sm_scale is None:
+        sm_scale = shape.head_dim**-0.5
+    if family == "gluon":
+        from ._kernels import gluon_decode
+
+        decode = gluon_decode.launch
+    else:
+        decode = _portable_decode
+    decode(*checked, sm_scale=sm_scale, out=out, lse=lse, **family_args)
+    return out
 
 
 def portable_features(*, sinks=None, logits_soft_cap=None, query_start_loc=None):

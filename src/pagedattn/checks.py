@@ -172,14 +172,7 @@ def check_plan_args(
     if not _is_pow2(page_size) or page_size > MAX_PAGE_SIZE:
         _fail(ValueError, "page_size", f"a power of two in 1..{MAX_PAGE_SIZE}", page_size)
     _positive_int("query_len", query_len)
-    rows = query_len * (num_q_heads // num_kv_heads)
-    if rows > MAX_ROWS:
-        _fail(
-            ValueError,
-            "query_len",
-            f"query_len * (num_q_heads // num_kv_heads) <= {MAX_ROWS}",
-            f"{query_len} * {num_q_heads // num_kv_heads} = {rows}",
-        )
+    _check_rows("query_len", query_len, num_q_heads // num_kv_heads)
     check_kv_dtype_scale(kv_dtype, kv_scale)
     if num_programs is not None:
         _positive_int("num_programs", num_programs)
@@ -202,6 +195,18 @@ def check_plan_args(
     if max_seq_len is not None:
         _positive_int("max_seq_len", max_seq_len)
     return batch
+
+
+def _check_rows(name: str, query_len: int, group: int) -> None:
+    """One kv head's query rows (``query_len * group``) must fit the decode kernel's tile."""
+    rows = query_len * group
+    if rows > MAX_ROWS:
+        _fail(
+            ValueError,
+            name,
+            f"query_len * (num_q_heads // num_kv_heads) <= {MAX_ROWS}",
+            f"{query_len} * {group} = {rows}",
+        )
 
 
 def check_kv_dtype_scale(kv_dtype, kv_scale) -> None:
@@ -348,14 +353,7 @@ def check_decode_args(
         if num_tokens % batch or num_tokens == 0:
             _fail(ValueError, "q", f"batch * query_len rows with batch={batch}", num_tokens)
         query_len = num_tokens // batch
-    rows = query_len * (num_q_heads // num_kv_heads)
-    if rows > MAX_ROWS:
-        _fail(
-            ValueError,
-            "q",
-            f"query_len * (num_q_heads // num_kv_heads) <= {MAX_ROWS}",
-            f"{query_len} * {num_q_heads // num_kv_heads} = {rows}",
-        )
+    _check_rows("q", query_len, num_q_heads // num_kv_heads)
 
     k_mode = _scale_mode("k_scale", k_scale, k_cache, kv_layout)
     v_mode = _scale_mode("v_scale", v_scale, v_cache, kv_layout)

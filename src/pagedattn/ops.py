@@ -37,6 +37,8 @@ public functions are untouched. Under ``torch.compile``, ``launch_config`` (a tu
 and any other keyword argument the ops do not take must be None.
 """
 
+import functools
+import itertools
 import warnings
 
 import torch
@@ -46,50 +48,73 @@ from .plan import DecodePlan, allocate_plan, plan_sizes
 
 __all__ = ["paged_decode", "plan_decode", "refill_plan"]
 
+# -- the ops' parameters, written once, as in a schema ----------------------------------------
 
-def _rebuild_plan(
-    metadata: torch.Tensor,
-    partials: torch.Tensor | None,
-    batch: int,
-    query_len: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    kv_dtype: torch.dtype,
-    kv_scale: str | None,
-    num_programs: int,
-    partition_size: int | None,
-    ragged: bool = False,
-    batch_invariant: bool = False,
-) -> DecodePlan:
-    """A DecodePlan around the given buffers (the scheduler never touches ``partials``)."""
+# A plan's sizes in the ops' order: DecodePlan.SIZE_FIELDS but the device (the tensors carry it).
+_PLAN_SIZES = (
+    "SymInt batch, SymInt query_len, SymInt num_q_heads, SymInt num_kv_heads, SymInt head_dim, "
+    "SymInt page_size, ScalarType kv_dtype, str? kv_scale, SymInt num_programs, "
+    "SymInt? partition_size, bool ragged, bool batch_invariant"
+)
+_REFILL_PARAMS = f"Tensor seq_lens, Tensor metadata, {_PLAN_SIZES}, Tensor? query_start_loc=None"
+# What both decode ops take first; then paged_decode's flags, or paged_decode_out's and its
+# output tensors.
+_DECODE_INPUTS = (
+    "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+    f"Tensor metadata, Tensor partials, {_PLAN_SIZES}, float? sm_scale, Tensor? k_scale, "
+    "Tensor? v_scale, str kv_layout, SymInt? sliding_window, Tensor? sinks, "
+    "float? logits_soft_cap, Tensor? query_start_loc"
+)
+_DECODE_PARAMS = f"{_DECODE_INPUTS}, bool return_lse, bool debug, bool exact_qk"
+_DECODE_OUT_PARAMS = f"{_DECODE_INPUTS}, bool debug, bool exact_qk, Tensor out, Tensor? lse"
+
+
+@functools.cache
+def _param_names(params: str) -> tuple[str, ...]:
+    return tuple(param.split()[1].split("=")[0] for param in params.split(", "))
+
+
+_PLAN_FIELDS = _param_names(_PLAN_SIZES)
+
+
+def _custom_op(name: str, params: str, mutates: tuple[str, ...], returns: str):
+    """``torch.library.custom_op`` for ``pagedattn::name`` with the schema of ``params``, the
+    ``mutates`` ones annotated as torch.library.infer_schema does."""
+    args = []
+    for index, param in enumerate(params.split(", ")):
+        kind, rest = param.split(" ", 1)
+        if _param_names(params)[index] in mutates:
+            kind = kind.replace("Tensor", f"Tensor(a{index}!)")
+        args.append(f"{kind} {rest}")
+    schema = f"({', '.join(args)}) -> {returns}"
+    return torch.library.custom_op(f"pagedattn::{name}", mutates_args=mutates, schema=schema)
+
+
+def _named(params, args) -> dict:
+    """An op's arguments by name (the dispatcher leaves out trailing ones at their default,
+    None)."""
+    return dict(itertools.zip_longest(_param_names(params), args))
+
+
+def _rebuild_plan(metadata: torch.Tensor, partials: torch.Tensor | None, sizes: dict) -> DecodePlan:
+    """A DecodePlan around the given buffers for ``sizes`` (the ops' plan arguments by name;
+    the scheduler never touches ``partials``)."""
+    num_kv_heads, num_programs = sizes["num_kv_heads"], sizes["num_programs"]
     if num_kv_heads < 1 or num_programs < 1 or num_programs % num_kv_heads:
         raise ValueError(
             f"num_programs: expected a positive multiple of num_kv_heads={num_kv_heads}, "
             f"got {num_programs}"
         )
     max_works, max_partials, max_reduces = plan_sizes(
-        batch, num_programs, num_kv_heads, batch_invariant
+        sizes["batch"], num_programs, num_kv_heads, sizes["batch_invariant"]
     )
     plan = DecodePlan(
-        batch=batch,
-        query_len=query_len,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-        num_programs=num_programs,
-        partition_size=partition_size,
+        **sizes,
         metadata=metadata,
         partials=partials if partials is not None else metadata.new_empty(0, dtype=torch.float32),
         max_works=max_works,
         max_partials=max_partials,
         max_reduces=max_reduces,
-        ragged=ragged,
-        batch_invariant=batch_invariant,
     )
     # The kernels index these buffers by offsets derived from the sizes: a buffer of another
     # plan would be read and written out of bounds.
@@ -100,7 +125,7 @@ def _rebuild_plan(
             f"{metadata.dtype} of shape {tuple(metadata.shape)}"
         )
     if partials is not None:
-        want_partials = max_partials * plan.rows * (head_dim + 1)
+        want_partials = max_partials * plan.rows * (plan.head_dim + 1)
         if partials.dtype != torch.float32 or partials.numel() != want_partials:
             raise ValueError(
                 f"partials: expected float32 of {want_partials} elements for these plan "
@@ -112,84 +137,31 @@ def _rebuild_plan(
 # -- refill -------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("pagedattn::refill_plan", mutates_args=("metadata",))
-def _refill_plan_op(
-    seq_lens: torch.Tensor,
-    metadata: torch.Tensor,
-    batch: int,
-    query_len: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    kv_dtype: torch.dtype,
-    kv_scale: str | None,
-    num_programs: int,
-    partition_size: int | None,
-    ragged: bool,
-    batch_invariant: bool,
-    query_start_loc: torch.Tensor | None = None,
-) -> None:
-    plan = _rebuild_plan(
-        metadata,
-        None,
-        batch,
-        query_len,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        page_size,
-        kv_dtype,
-        kv_scale,
-        num_programs,
-        partition_size,
-        ragged,
-        batch_invariant,
-    )
+@_custom_op("refill_plan", _REFILL_PARAMS, mutates=("metadata",), returns="()")
+def _refill_plan_op(*args) -> None:
+    arg = _named(_REFILL_PARAMS, args)
+    sizes = {name: arg[name] for name in _PLAN_FIELDS}
+    plan = _rebuild_plan(arg["metadata"], None, sizes)
+    ragged, query_start_loc = sizes["ragged"], arg["query_start_loc"]
     if ragged != (query_start_loc is not None):
         raise ValueError(
             f"query_start_loc: expected {'a tensor' if ragged else 'None'} for a plan made "
             f"{'with' if ragged else 'without'} it, got "
             f"{'None' if query_start_loc is None else 'a tensor'}"
         )
-    api.plan_decode(
-        seq_lens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        query_len=query_len,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-        num_programs=num_programs,
-        partition_size=partition_size,
-        reuse=plan,
-        query_start_loc=query_start_loc,
-        batch_invariant=batch_invariant,
-    )
+    # plan_decode's own arguments: the batch and raggedness follow from its tensors.
+    del sizes["batch"], sizes["ragged"]
+    api.plan_decode(arg["seq_lens"], **sizes, reuse=plan, query_start_loc=query_start_loc)
 
 
 @_refill_plan_op.register_fake
-def _(seq_lens, metadata, *args) -> None:
+def _(*args) -> None:
     return None
 
 
 def _plan_args(plan: DecodePlan) -> tuple:
     """The plan's sizes in the ops' argument order."""
-    return (
-        plan.batch,
-        plan.query_len,
-        plan.num_q_heads,
-        plan.num_kv_heads,
-        plan.head_dim,
-        plan.page_size,
-        plan.kv_dtype,
-        plan.kv_scale,
-        plan.num_programs,
-        plan.partition_size,
-        plan.ragged,
-        plan.batch_invariant,
-    )
+    return tuple(getattr(plan, name) for name in _PLAN_FIELDS)
 
 
 def refill_plan(
@@ -205,41 +177,15 @@ def refill_plan(
 
 
 @torch.compiler.assume_constant_result
-def _chosen_sizes(
-    batch: int,
-    device: torch.device,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    query_len: int,
-    kv_dtype: torch.dtype,
-    kv_scale: str | None,
-    num_programs: int | None,
-    partition_size: int | None,
-    max_seq_len: int | None,
-    ragged: bool = False,
-    batch_invariant: bool = False,
-) -> tuple:
-    """The plan sizes ``pagedattn.plan_decode`` picks for these arguments (run once while
-    tracing, its result a constant of the graph): it plans padding slots of this batch on this
-    device and reads the sizes back, so grid and partition follow exactly the same rules and
-    the same tuning table, and bad arguments raise its errors."""
+def _chosen_sizes(batch: int, device: torch.device, ragged: bool, **arguments) -> tuple:
+    """The grid and partition size ``pagedattn.plan_decode`` picks for these keyword
+    ``arguments`` (run once while tracing, its result a constant of the graph): it plans
+    padding slots of this batch on this device and reads the sizes back, so grid and
+    partition follow exactly the same rules and the same tuning table, and bad arguments
+    raise its errors."""
     rows = torch.zeros(batch + 1, dtype=torch.int32, device=device) if ragged else None
     plan = api.plan_decode(
-        torch.zeros(batch, dtype=torch.int32, device=device),
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        query_len=query_len,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-        num_programs=num_programs,
-        partition_size=partition_size,
-        max_seq_len=max_seq_len,
-        query_start_loc=rows,
-        batch_invariant=batch_invariant,
+        torch.zeros(batch, dtype=torch.int32, device=device), **arguments, query_start_loc=rows
     )
     return plan.num_programs, plan.partition_size
 
@@ -268,56 +214,30 @@ def plan_decode(
     arguments of :func:`pagedattn.plan_decode`, passed on in eager calls; under
     ``torch.compile`` only None values are accepted."""
     _check_options("plan_decode", options)
-    ragged = query_start_loc is not None
+    # The arguments that choose the plan's sizes, passed on as given.
+    arguments = dict(
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        query_len=query_len,
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
+        num_programs=num_programs,
+        partition_size=partition_size,
+        max_seq_len=max_seq_len,
+        batch_invariant=batch_invariant,
+    )
     if not torch.compiler.is_compiling():
         return api.plan_decode(
-            seq_lens,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            page_size=page_size,
-            query_len=query_len,
-            kv_dtype=kv_dtype,
-            kv_scale=kv_scale,
-            num_programs=num_programs,
-            partition_size=partition_size,
-            reuse=reuse,
-            max_seq_len=max_seq_len,
-            query_start_loc=query_start_loc,
-            batch_invariant=batch_invariant,
-            **options,
+            seq_lens, **arguments, reuse=reuse, query_start_loc=query_start_loc, **options
         )
     batch, device = seq_lens.shape[0], seq_lens.device
-    chosen_programs, chosen_partition = _chosen_sizes(
-        batch,
-        device,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        page_size,
-        query_len,
-        kv_dtype,
-        kv_scale,
-        num_programs,
-        partition_size,
-        max_seq_len,
-        ragged,
-        batch_invariant,
-    )
-    want = (
-        batch,
-        query_len,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        page_size,
-        kv_dtype,
-        kv_scale,
-        chosen_programs,
-        chosen_partition,
-        ragged,
-        batch_invariant,
-    )
+    ragged = query_start_loc is not None
+    chosen = _chosen_sizes(batch, device, ragged, **arguments)
+    sizes = dict(arguments, batch=batch, ragged=ragged)
+    sizes["num_programs"], sizes["partition_size"] = chosen
+    want = tuple(sizes[name] for name in _PLAN_FIELDS)
     if reuse is not None:
         if not isinstance(reuse, DecodePlan):
             raise TypeError(f"reuse: expected a DecodePlan, got {type(reuse).__name__}")
@@ -328,183 +248,50 @@ def plan_decode(
                 f"{have} on {reuse.metadata.device}"
             )
         return refill_plan(reuse, seq_lens, query_start_loc)
-    sizes = dict(zip(DecodePlan.SIZE_FIELDS, (*want[:-2], device, *want[-2:])))
-    return refill_plan(allocate_plan(**sizes), seq_lens, query_start_loc)
+    new = allocate_plan(**dict(zip(_PLAN_FIELDS, want)), device=device)
+    return refill_plan(new, seq_lens, query_start_loc)
 
 
 # -- decode -------------------------------------------------------------------------------------
 
 
-def _decode_impl(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    seq_lens,
-    metadata,
-    partials,
-    plan_args,
-    sm_scale,
-    k_scale,
-    v_scale,
-    kv_layout,
-    sliding_window,
-    features,
-    return_lse,
-    debug,
-    exact_qk,
-    out,
-):
-    plan = _rebuild_plan(metadata, partials, *plan_args)
-    sinks, logits_soft_cap, query_start_loc = features
-    return api.paged_decode(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan=plan,
-        sm_scale=sm_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        kv_layout=kv_layout,
-        sliding_window=sliding_window,
-        sinks=sinks,
-        logits_soft_cap=logits_soft_cap,
-        query_start_loc=query_start_loc,
-        out=out,
-        return_lse=return_lse,
-        debug=debug,
-        exact_qk=exact_qk,
-    )
+def _decode(arg: dict, **more):
+    """:func:`pagedattn.paged_decode` on a decode op's arguments by name (``more``: further
+    keyword arguments), with a plan rebuilt around the op's buffers."""
+    sizes = {name: arg.pop(name) for name in _PLAN_FIELDS}
+    plan = _rebuild_plan(arg.pop("metadata"), arg.pop("partials"), sizes)
+    return api.paged_decode(**arg, **more, plan=plan)
 
 
-@torch.library.custom_op("pagedattn::paged_decode", mutates_args=("metadata", "partials"))
-def _paged_decode_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    metadata: torch.Tensor,
-    partials: torch.Tensor,
-    batch: int,
-    query_len: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    kv_dtype: torch.dtype,
-    kv_scale: str | None,
-    num_programs: int,
-    partition_size: int | None,
-    ragged: bool,
-    batch_invariant: bool,
-    sm_scale: float | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    kv_layout: str,
-    sliding_window: int | None,
-    sinks: torch.Tensor | None,
-    logits_soft_cap: float | None,
-    query_start_loc: torch.Tensor | None,
-    return_lse: bool,
-    debug: bool,
-    exact_qk: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    plan_args = (batch, query_len, num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype)
-    plan_args += (kv_scale, num_programs, partition_size, ragged, batch_invariant)
-    result = _decode_impl(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        metadata,
-        partials,
-        plan_args,
-        sm_scale,
-        k_scale,
-        v_scale,
-        kv_layout,
-        sliding_window,
-        (sinks, logits_soft_cap, query_start_loc),
-        return_lse,
-        debug,
-        exact_qk,
-        None,
-    )
-    if return_lse:
-        return result
-    return result, q.new_empty(0, dtype=torch.float32)
+@_custom_op(
+    "paged_decode", _DECODE_PARAMS, mutates=("metadata", "partials"), returns="(Tensor, Tensor)"
+)
+def _paged_decode_op(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    arg = _named(_DECODE_PARAMS, args)
+    if arg["return_lse"]:
+        return _decode(arg)
+    return _decode(arg), arg["q"].new_empty(0, dtype=torch.float32)
 
 
 @_paged_decode_op.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, metadata, partials, *args):
-    return_lse = args[-3]
+def _(*args):
+    arg = _named(_DECODE_PARAMS, args)
+    q = arg["q"]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse_shape = (q.shape[0], q.shape[1]) if return_lse else (0,)
+    lse_shape = (q.shape[0], q.shape[1]) if arg["return_lse"] else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op(
-    "pagedattn::paged_decode_out", mutates_args=("metadata", "partials", "out", "lse")
+@_custom_op(
+    "paged_decode_out",
+    _DECODE_OUT_PARAMS,
+    mutates=("metadata", "partials", "out", "lse"),
+    returns="()",
 )
-def _paged_decode_out_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    metadata: torch.Tensor,
-    partials: torch.Tensor,
-    batch: int,
-    query_len: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    kv_dtype: torch.dtype,
-    kv_scale: str | None,
-    num_programs: int,
-    partition_size: int | None,
-    ragged: bool,
-    batch_invariant: bool,
-    sm_scale: float | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    kv_layout: str,
-    sliding_window: int | None,
-    sinks: torch.Tensor | None,
-    logits_soft_cap: float | None,
-    query_start_loc: torch.Tensor | None,
-    debug: bool,
-    exact_qk: bool,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-) -> None:
-    plan_args = (batch, query_len, num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype)
-    plan_args += (kv_scale, num_programs, partition_size, ragged, batch_invariant)
-    result = _decode_impl(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        metadata,
-        partials,
-        plan_args,
-        sm_scale,
-        k_scale,
-        v_scale,
-        kv_layout,
-        sliding_window,
-        (sinks, logits_soft_cap, query_start_loc),
-        lse is not None,
-        debug,
-        exact_qk,
-        out,
-    )
+def _paged_decode_out_op(*args) -> None:
+    arg = _named(_DECODE_OUT_PARAMS, args)
+    lse = arg.pop("lse")
+    result = _decode(arg, return_lse=lse is not None)
     if lse is not None:
         # paged_decode allocates the LSE; the op's contract is the caller's tensor.
         lse.copy_(result[1])

@@ -23,6 +23,8 @@ a cut sequence's merge, so it counts once); ``RAGGED`` reads each sequence's que
 ``query_start_loc`` and writes only those, and only when they match the plan's record of them.
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -62,27 +64,37 @@ def _store_chunk(row_ptr, row_ok, x, C: tl.constexpr, DC: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(row_ptr, row_ok, scale, o0, o1, o2, o3, CHUNKS: tl.constexpr, DC: tl.constexpr):
-    """Stores ``o * scale[:, None]``, chunk by chunk, as the rows at ``row_ptr`` (unit stride on
-    head_dim, in the rows' dtype)."""
-    _store_chunk(row_ptr, row_ok, o0 * scale[:, None], 0, DC)
-    if CHUNKS >= 2:
-        _store_chunk(row_ptr, row_ok, o1 * scale[:, None], 1, DC)
-    if CHUNKS >= 4:
-        _store_chunk(row_ptr, row_ok, o2 * scale[:, None], 2, DC)
-        _store_chunk(row_ptr, row_ok, o3 * scale[:, None], 3, DC)
+def _store_rows(row_ptr, row_ok, scale, o, DC: tl.constexpr):
+    """Stores ``o * scale[:, None]`` (``o``: the head_dim chunks), chunk by chunk, as the rows
+    at ``row_ptr`` (unit stride on head_dim, in the rows' dtype)."""
+    for c in tl.static_range(len(o)):
+        _store_chunk(row_ptr, row_ok, o[c] * scale[:, None], c, DC)
+
+
+class _TileSource(NamedTuple):
+    """Where a K or V tile is read: the bulk-copy descriptor (``USE_TMA``), else the cache
+    pointer, the offsets of the tile's rows (one per token) and the head_dim stride."""
+
+    desc: tl.tensor
+    ptr: tl.tensor
+    row: tl.tensor
+    stride_dim: tl.tensor
+
+
+class _TileAt(NamedTuple):
+    """A K/V tile's place: its page (one, or one per token for a gathered tile), first token,
+    kv head, and which of its tokens lie before the work's end."""
+
+    page: tl.tensor
+    start: tl.tensor
+    kv_head: tl.tensor
+    tok_ok: tl.tensor
 
 
 @triton.jit
 def _load_chunk(
-    desc,
-    ptr,
-    row,
-    stride_dim,
-    page,
-    start,
-    kv_head,
-    tok_ok,
+    src,
+    at,
     C: tl.constexpr,
     DC: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -90,17 +102,20 @@ def _load_chunk(
     USE_TMA: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Head-dim chunk ``C`` (``DC`` wide) of a K or V tile, in the cache's dtype."""
+    """Head-dim chunk ``C`` (``DC`` wide) of a K or V tile (``src``: a _TileSource, ``at``: a
+    _TileAt), in the cache's dtype."""
     if USE_TMA:
         # A bulk tensor copy of the page-contiguous tile; Triton pipelines it through shared
         # memory. In a masked tile, slots past the sequence are read (they lie in the same
         # page) and may hold garbage: the caller masks K's scores and zeroes V.
-        return desc.load([page, start % PAGE_SIZE, kv_head, C * DC]).reshape(BLOCK_N, DC)
+        return src.desc.load([at.page, at.start % PAGE_SIZE, at.kv_head, C * DC]).reshape(
+            BLOCK_N, DC
+        )
     else:
         offs = C * DC + tl.arange(0, DC)
-        ptrs = ptr + row[:, None] + offs[None, :] * stride_dim
+        ptrs = src.ptr + src.row[:, None] + offs[None, :] * src.stride_dim
         if MASKED:
-            return tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
+            return tl.load(ptrs, mask=at.tok_ok[:, None], other=0.0)
         else:
             return tl.load(ptrs)
 
@@ -163,18 +178,19 @@ def _token_scales(scale_ptr, offsets, tok_ok, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _cache_offsets(page, slot, head, strides):
+    """Offsets of (page, slot, head) in a cache or scale tensor whose ``strides`` are given per
+    logical axis: (page, slot, head[, dim])."""
+    return page * strides[0] + slot * strides[1] + head * strides[2]
+
+
+@triton.jit
 def _qk_chunk(
     s,
     q,
     q_lo,
-    k_desc,
-    k_ptr,
-    k_row,
-    stride_k_dim,
-    page,
-    start,
-    kv_head,
-    tok_ok,
+    k_src,
+    at,
     C: tl.constexpr,
     DC: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -186,22 +202,7 @@ def _qk_chunk(
 ):
     """``s + Q[:, chunk C] K[:, chunk C]^T`` (``s`` None: the first chunk). With ``QK_FP8``
     the query chunk is the e4m3 pair ``q + q_lo`` and the FP8 keys enter the dot as stored."""
-    k = _load_chunk(
-        k_desc,
-        k_ptr,
-        k_row,
-        stride_k_dim,
-        page,
-        start,
-        kv_head,
-        tok_ok,
-        C,
-        DC,
-        PAGE_SIZE,
-        BLOCK_N,
-        USE_TMA,
-        MASKED,
-    )
+    k = _load_chunk(k_src, at, C, DC, PAGE_SIZE, BLOCK_N, USE_TMA, MASKED)
     if QK_FP8:
         kt = tl.trans(k)
         return dot_any(q_lo, kt, DOT_FP32, dot_any(q, kt, DOT_FP32, s))
@@ -213,14 +214,8 @@ def _pv_chunk(
     o,
     p,
     alpha,
-    v_desc,
-    v_ptr,
-    v_row,
-    stride_v_dim,
-    page,
-    start,
-    kv_head,
-    tok_ok,
+    v_src,
+    at,
     C: tl.constexpr,
     DC: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -230,24 +225,9 @@ def _pv_chunk(
     MASKED: tl.constexpr,
 ):
     """``o * alpha + P V[:, chunk C]``."""
-    v = _load_chunk(
-        v_desc,
-        v_ptr,
-        v_row,
-        stride_v_dim,
-        page,
-        start,
-        kv_head,
-        tok_ok,
-        C,
-        DC,
-        PAGE_SIZE,
-        BLOCK_N,
-        USE_TMA,
-        MASKED,
-    ).to(p.dtype)
+    v = _load_chunk(v_src, at, C, DC, PAGE_SIZE, BLOCK_N, USE_TMA, MASKED).to(p.dtype)
     if USE_TMA and MASKED:
-        v = tl.where(tok_ok[:, None], v, 0.0)
+        v = tl.where(at.tok_ok[:, None], v, 0.0)
     return dot_any(p, v, DOT_FP32, o * alpha[:, None])
 
 
@@ -264,18 +244,9 @@ def _attend_tile(
     m_i,
     l_i,
     v_norm,
-    o0,
-    o1,
-    o2,
-    o3,
-    q0,
-    q1,
-    q2,
-    q3,
-    ql0,
-    ql1,
-    ql2,
-    ql3,
+    o,
+    q,
+    q_lo,
     q_row_scale,
     pos,
     start,
@@ -285,23 +256,13 @@ def _attend_tile(
     k_desc,
     v_desc,
     k_ptr,
-    stride_k_page,
-    stride_k_slot,
-    stride_k_head,
-    stride_k_dim,
+    k_strides,
     v_ptr,
-    stride_v_page,
-    stride_v_slot,
-    stride_v_head,
-    stride_v_dim,
+    v_strides,
     k_scale_ptr,
-    stride_ks_page,
-    stride_ks_slot,
-    stride_ks_head,
+    ks_strides,
     v_scale_ptr,
-    stride_vs_page,
-    stride_vs_slot,
-    stride_vs_head,
+    vs_strides,
     bt_row,
     stride_bt_col,
     kv_head,
@@ -326,11 +287,12 @@ def _attend_tile(
 ):
     """One K/V tile of tokens ``start + offs_n`` through the online softmax.
 
-    Q, K, V and the accumulator are split along head_dim into ``CHUNKS`` chunks (1, 2 or 4;
-    unused ``q``/``o`` arguments pass through untouched), so only one chunk of the converted
-    K or V tile is live in registers at a time. MASKED=False is the hot path: every key of the
-    tile is valid for every row. With per-token scales the accumulator holds the output divided
-    by ``v_norm`` (the last tile's largest V scale; see below); otherwise ``v_norm`` passes
+    Q, K, V and the accumulator are split along head_dim into ``CHUNKS`` chunks (1, 2 or 4):
+    ``q``, ``q_lo`` and ``o`` are tuples of them, so only one chunk of the converted K or V
+    tile is live in registers at a time. The caches' strides come as tuples per logical axis
+    (page, slot, head[, dim]). MASKED=False is the hot path: every key of the tile is valid
+    for every row. With per-token scales the accumulator holds the output divided by
+    ``v_norm`` (the last tile's largest V scale; see below); otherwise ``v_norm`` passes
     through. A page id outside ``[0, num_pages)`` is read as page 0 and flagged in
     ``page_fault`` (per token of the tile for gathered tiles, so the flag is reduced once, at
     the end of the work).
@@ -361,88 +323,24 @@ def _attend_tile(
     page = tl.where(bad_page, 0, page)
     page_fault = page_fault | bad_page
     page64 = page.to(tl.int64)  # caches pass 2^31 bytes
-    k_row = page64 * stride_k_page + slot_in_page * stride_k_slot + kv_head * stride_k_head
-    v_row = page64 * stride_v_page + slot_in_page * stride_v_slot + kv_head * stride_v_head
+    at = _TileAt(page, start, kv_head, tok_ok)
+    k_src = _TileSource(
+        k_desc, k_ptr, _cache_offsets(page64, slot_in_page, kv_head, k_strides), k_strides[3]
+    )
+    v_src = _TileSource(
+        v_desc, v_ptr, _cache_offsets(page64, slot_in_page, kv_head, v_strides), v_strides[3]
+    )
 
     # -- scores: S = Q K^T (chunk by chunk), in log2 units --
-    s = _qk_chunk(
-        None,
-        q0,
-        ql0,
-        k_desc,
-        k_ptr,
-        k_row,
-        stride_k_dim,
-        page,
-        start,
-        kv_head,
-        tok_ok,
-        0,
-        DC,
-        PAGE_SIZE,
-        BLOCK_N,
-        DOT_FP32,
-        TILE_TMA,
-        QK_FP8,
-        MASKED,
-    )
-    if CHUNKS >= 2:
+    s = None
+    for c in tl.static_range(CHUNKS):
         s = _qk_chunk(
             s,
-            q1,
-            ql1,
-            k_desc,
-            k_ptr,
-            k_row,
-            stride_k_dim,
-            page,
-            start,
-            kv_head,
-            tok_ok,
-            1,
-            DC,
-            PAGE_SIZE,
-            BLOCK_N,
-            DOT_FP32,
-            TILE_TMA,
-            QK_FP8,
-            MASKED,
-        )
-    if CHUNKS >= 4:
-        s = _qk_chunk(
-            s,
-            q2,
-            ql2,
-            k_desc,
-            k_ptr,
-            k_row,
-            stride_k_dim,
-            page,
-            start,
-            kv_head,
-            tok_ok,
-            2,
-            DC,
-            PAGE_SIZE,
-            BLOCK_N,
-            DOT_FP32,
-            TILE_TMA,
-            QK_FP8,
-            MASKED,
-        )
-        s = _qk_chunk(
-            s,
-            q3,
-            ql3,
-            k_desc,
-            k_ptr,
-            k_row,
-            stride_k_dim,
-            page,
-            start,
-            kv_head,
-            tok_ok,
-            3,
+            q[c],
+            q_lo[c],
+            k_src,
+            at,
+            c,
             DC,
             PAGE_SIZE,
             BLOCK_N,
@@ -456,7 +354,7 @@ def _attend_tile(
     if SCALE_MODE == 2:
         ks = _token_scales(
             k_scale_ptr,
-            page64 * stride_ks_page + slot_in_page * stride_ks_slot + kv_head * stride_ks_head,
+            _cache_offsets(page64, slot_in_page, kv_head, ks_strides),
             tok_ok,
             MASKED,
         )
@@ -485,7 +383,7 @@ def _attend_tile(
     if SCALE_MODE == 2:
         vs = _token_scales(
             v_scale_ptr,
-            page64 * stride_vs_page + slot_in_page * stride_vs_slot + kv_head * stride_vs_head,
+            _cache_offsets(page64, slot_in_page, kv_head, vs_strides),
             tok_ok,
             MASKED,
         )
@@ -500,89 +398,14 @@ def _attend_tile(
         p = (p * (vs * inv_vs_max)[None, :]).to(pv_dtype)
     else:
         p = p.to(pv_dtype)
-    o0 = _pv_chunk(
-        o0,
-        p,
-        alpha,
-        v_desc,
-        v_ptr,
-        v_row,
-        stride_v_dim,
-        page,
-        start,
-        kv_head,
-        tok_ok,
-        0,
-        DC,
-        PAGE_SIZE,
-        BLOCK_N,
-        DOT_FP32,
-        TILE_TMA,
-        MASKED,
-    )
-    if CHUNKS >= 2:
-        o1 = _pv_chunk(
-            o1,
-            p,
-            alpha,
-            v_desc,
-            v_ptr,
-            v_row,
-            stride_v_dim,
-            page,
-            start,
-            kv_head,
-            tok_ok,
-            1,
-            DC,
-            PAGE_SIZE,
-            BLOCK_N,
-            DOT_FP32,
-            TILE_TMA,
-            MASKED,
+    o_new = ()
+    for c in tl.static_range(CHUNKS):
+        o_new += (
+            _pv_chunk(
+                o[c], p, alpha, v_src, at, c, DC, PAGE_SIZE, BLOCK_N, DOT_FP32, TILE_TMA, MASKED
+            ),
         )
-    if CHUNKS >= 4:
-        o2 = _pv_chunk(
-            o2,
-            p,
-            alpha,
-            v_desc,
-            v_ptr,
-            v_row,
-            stride_v_dim,
-            page,
-            start,
-            kv_head,
-            tok_ok,
-            2,
-            DC,
-            PAGE_SIZE,
-            BLOCK_N,
-            DOT_FP32,
-            TILE_TMA,
-            MASKED,
-        )
-        o3 = _pv_chunk(
-            o3,
-            p,
-            alpha,
-            v_desc,
-            v_ptr,
-            v_row,
-            stride_v_dim,
-            page,
-            start,
-            kv_head,
-            tok_ok,
-            3,
-            DC,
-            PAGE_SIZE,
-            BLOCK_N,
-            DOT_FP32,
-            TILE_TMA,
-            MASKED,
-        )
-    return page_fault, m_new, l_i, v_norm, o0, o1, o2, o3
+    return page_fault, m_new, l_i, v_norm, o_new
 
 
 @triton.jit
@@ -736,19 +559,10 @@ def _decode_kernel(
         # -- load the query rows of this kv head, in CHUNKS head_dim chunks --
         q_head = kv_head * GROUP + row_head
         q_row = q_ptr + q_tok * stride_q_tok + q_head * stride_q_head
-        q0 = _load_q_chunk(q_row, stride_q_dim, row_ok, 0, DC)
-        q1 = q0
-        q2 = q0
-        q3 = q0
-        if CHUNKS >= 2:
-            q1 = _load_q_chunk(q_row, stride_q_dim, row_ok, 1, DC)
-        if CHUNKS >= 4:
-            q2 = _load_q_chunk(q_row, stride_q_dim, row_ok, 2, DC)
-            q3 = _load_q_chunk(q_row, stride_q_dim, row_ok, 3, DC)
-        ql0 = q0
-        ql1 = q0
-        ql2 = q0
-        ql3 = q0
+        q = ()
+        for c in tl.static_range(CHUNKS):
+            q += (_load_q_chunk(q_row, stride_q_dim, row_ok, c, DC),)
+        q_lo = q  # the query's second e4m3 term (QK_FP8); unused otherwise
         if QK_FP8 or QK_FP16:
             # Each row is scaled by a power of two (exactly; the scale comes back on S).
             # QK_FP8: the keys enter the dot as stored (no conversion) and the query as hi +
@@ -756,26 +570,24 @@ def _decode_kernel(
             # bits, lo the next 4 (bf16 holds 8); Q K^T costs two e4m3 dots. QK_FP16: a bf16
             # query meets the keys in fp16, whose e4m3 conversion is one instruction per pair
             # (bf16's takes several), its largest value below 2^15.
-            amax = tl.max(tl.abs(q0.to(tl.float32)), axis=1)
-            if CHUNKS >= 2:
-                amax = tl.maximum(amax, tl.max(tl.abs(q1.to(tl.float32)), axis=1))
-            if CHUNKS >= 4:
-                amax = tl.maximum(amax, tl.max(tl.abs(q2.to(tl.float32)), axis=1))
-                amax = tl.maximum(amax, tl.max(tl.abs(q3.to(tl.float32)), axis=1))
+            amax = tl.max(tl.abs(q[0].to(tl.float32)), axis=1)
+            for c in tl.static_range(1, CHUNKS):
+                amax = tl.maximum(amax, tl.max(tl.abs(q[c].to(tl.float32)), axis=1))
             if QK_FP8:
                 q_row_scale, inv = _pow2_row_scale(amax, 8, True)
-                q0, ql0 = _split_e4m3(q0, inv)
-                if CHUNKS >= 2:
-                    q1, ql1 = _split_e4m3(q1, inv)
-                if CHUNKS >= 4:
-                    q2, ql2 = _split_e4m3(q2, inv)
-                    q3, ql3 = _split_e4m3(q3, inv)
+                q_hi = ()
+                q_lo = ()
+                for c in tl.static_range(CHUNKS):
+                    hi, lo = _split_e4m3(q[c], inv)
+                    q_hi += (hi,)
+                    q_lo += (lo,)
+                q = q_hi
             else:
                 q_row_scale, inv = _pow2_row_scale(amax, 15, False)
-                q0 = (q0.to(tl.float32) * inv[:, None]).to(tl.float16)
-                q1 = (q1.to(tl.float32) * inv[:, None]).to(tl.float16)
-                q2 = (q2.to(tl.float32) * inv[:, None]).to(tl.float16)
-                q3 = (q3.to(tl.float32) * inv[:, None]).to(tl.float16)
+                q_fp16 = ()
+                for c in tl.static_range(CHUNKS):
+                    q_fp16 += ((q[c].to(tl.float32) * inv[:, None]).to(tl.float16),)
+                q = q_fp16
         else:
             q_row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
         # Absolute position of each query row; it attends keys <= pos (and > pos - window).
@@ -790,10 +602,7 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         v_norm = tl.full([], 1.0, tl.float32)  # per-token V scales: the accumulator's unit
-        o0 = tl.zeros([BLOCK_M, DC], tl.float32)
-        o1 = o0
-        o2 = o0
-        o3 = o0
+        o = (tl.zeros([BLOCK_M, DC], tl.float32),) * CHUNKS
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
         if PAGE_SIZE >= BLOCK_N:
             page_fault = token_end < 0  # one page per tile: a scalar flag (False here)
@@ -822,23 +631,14 @@ def _decode_kernel(
             for start in tl.range(
                 begin, end, BLOCK_N, num_stages=NUM_STAGES if phase == 0 else TAIL_STAGES
             ):
-                page_fault, m_i, l_i, v_norm, o0, o1, o2, o3 = _attend_tile(
+                page_fault, m_i, l_i, v_norm, o = _attend_tile(
                     page_fault,
                     m_i,
                     l_i,
                     v_norm,
-                    o0,
-                    o1,
-                    o2,
-                    o3,
-                    q0,
-                    q1,
-                    q2,
-                    q3,
-                    ql0,
-                    ql1,
-                    ql2,
-                    ql3,
+                    o,
+                    q,
+                    q_lo,
                     q_row_scale,
                     pos,
                     start,
@@ -848,23 +648,13 @@ def _decode_kernel(
                     k_desc,
                     v_desc,
                     k_ptr,
-                    stride_k_page,
-                    stride_k_slot,
-                    stride_k_head,
-                    stride_k_dim,
+                    (stride_k_page, stride_k_slot, stride_k_head, stride_k_dim),
                     v_ptr,
-                    stride_v_page,
-                    stride_v_slot,
-                    stride_v_head,
-                    stride_v_dim,
+                    (stride_v_page, stride_v_slot, stride_v_head, stride_v_dim),
                     k_scale_ptr,
-                    stride_ks_page,
-                    stride_ks_slot,
-                    stride_ks_head,
+                    (stride_ks_page, stride_ks_slot, stride_ks_head),
                     v_scale_ptr,
-                    stride_vs_page,
-                    stride_vs_slot,
-                    stride_vs_head,
+                    (stride_vs_page, stride_vs_slot, stride_vs_head),
                     bt_row,
                     stride_bt_col,
                     kv_head,
@@ -924,13 +714,13 @@ def _decode_kernel(
         lse2 = tl.where(nan_rows, float("nan"), lse2)
         if slot < 0:
             o_row = out_ptr + q_tok * stride_o_tok + q_head * stride_o_head
-            _store_rows(o_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)
+            _store_rows(o_row, row_ok, o_scale, o, DC)
             if WRITE_LSE:
                 tl.store(lse_ptr + q_tok * stride_lse_tok + q_head, lse2 * LN2, mask=row_ok)
         else:
             p_base = slot.to(tl.int64) * ROWS
             p_row = partial_out_ptr + (p_base + offs_m) * HEAD_DIM
-            _store_rows(p_row, row_ok, o_scale, o0, o1, o2, o3, CHUNKS, DC)
+            _store_rows(p_row, row_ok, o_scale, o, DC)
             tl.store(partial_lse_ptr + p_base + offs_m, lse2, mask=row_ok)
     # This program's writes are done: the reducer's programs (launched with PDL) may be
     # placed now; they still wait for the whole grid's results in their grid_dependency.

@@ -733,26 +733,15 @@ def gluon_paged_decode(
     Covers what :func:`unsupported` accepts; anything else raises ``ValueError``. The kernel
     takes 176-205 registers a thread (CPU build for sm_90a), so two programs fit on an SM."""
     from .. import checks
+    from ..api import _run_checked
 
+    given = dict(sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, out=out)
     shape = checks.check_decode_args(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan=plan,
-        sm_scale=sm_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        kv_layout=kv_layout,
-        sliding_window=None,
-        out=out,
+        q, k_cache, v_cache, block_table, seq_lens, plan=plan, sliding_window=None, **given
     )
     reason = unsupported(shape, q, plan, k_cache=k_cache, v_cache=v_cache, kv_layout=kv_layout)
     if reason:
         raise ValueError(f"gluon_paged_decode: {reason}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is not None and (
         lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:2]) or lse.stride(1) != 1
     ):
@@ -760,27 +749,9 @@ def gluon_paged_decode(
             f"lse: expected float32 {tuple(q.shape[:2])} with unit head stride, got "
             f"{lse.dtype} {tuple(lse.shape)}"
         )
-    if sm_scale is None:
-        sm_scale = shape.head_dim**-0.5
-    launch(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan,
-        shape,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        sm_scale=sm_scale,
-        kv_layout=kv_layout,
-        out=out,
-        lse=lse,
-        stages=stages,
-        half=half,
-        maxnreg=maxnreg,
-    )
-    return out
+    checked = (q, k_cache, v_cache, block_table, seq_lens, plan, shape)
+    tuning = dict(stages=stages, half=half, maxnreg=maxnreg)
+    return _run_checked("gluon", checked, **given, lse=lse, **tuning)
 
 
 def launch(

@@ -1,0 +1,298 @@
+"""Digests of the portable decode kernel's PTX for sm_90a, compiled on the CPU (no GPU: Triton's
+bundled ptxas), one line per variant: name, sha256 of the PTX, registers, spill stores / loads
+(bytes) and shared memory. Two runs print the same lines exactly when the code generated for
+these variants is the same, so a change meant to leave the kernel as it is can be checked by
+comparing the output before and after it.
+
+    python scripts/kernel_digest.py [-j JOBS] [NAME_SUBSTRING ...] > digests.txt
+
+The variants follow what ``paged_decode`` launches (``launch.decode_launch_config``, the
+arguments of ``api._portable_decode``) for contiguous NHD caches and queries; integer arguments
+are specialised as a launch does (1 as a constant, multiples of 16 as divisible by 16). Line
+info is left out of the PTX, so that moving code within the source changes no digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import io
+import os
+import re
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+BLOCK_M_MIN = 16
+NUM_KV_HEADS = 8
+MAX_PAGES = 64  # block table columns (a multiple of 16, as the usual tables are)
+KV_AXES = ("page", "slot", "head", "dim")  # the kernel's stride arguments, per logical axis
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    kv: str = "fp8"  # "fp8" (e4m3) or "bf16"
+    q: str = "bf16"  # "bf16" or "fp16"
+    scale: int = 1  # SCALE_MODE: 0 none, 1 per tensor, 2 per token
+    query_len: int = 1
+    group: int = 8
+    head_dim: int = 128
+    head_chunk: int = 64
+    page_size: int = 128
+    tma: bool = True
+    window: bool = False
+    soft_cap: bool = False
+    sinks: bool = False
+    ragged: bool = False
+    lse: bool = False
+    exact_qk: bool = False
+    unmasked_loop: bool = True
+    pdl: bool = False
+    trace: bool = False
+
+
+VARIANTS = [
+    # FP8 per tensor, q_len 1 (8 rows: 2 warps) and 4 (32 and 64 rows: 4 warps, 64 with QK_FP8).
+    Variant("fp8-tensor-q1-d128-p128-tma"),
+    Variant("fp8-tensor-q1-d128-p16", page_size=16),
+    Variant("fp8-tensor-q1-d128-p128-gather", tma=False),
+    Variant("fp8-tensor-q1-d64-p128-tma", head_dim=64),
+    Variant("fp8-tensor-q1-d128c32-p128-tma", head_chunk=32),
+    Variant("fp8-tensor-q4g8-d128-p128-tma", query_len=4),
+    Variant("fp8-tensor-q4g16-d128-p128-tma", query_len=4, group=16),
+    Variant("fp8-tensor-q4g16-d128-p16", query_len=4, group=16, page_size=16),
+    Variant("fp8-tensor-q4g16-d128c32-p128-tma", query_len=4, group=16, head_chunk=32),
+    Variant("fp8-tensor-q4g16-d128-p128-tma-exact", query_len=4, group=16, exact_qk=True),
+    Variant("fp8-tensor-q4g8-d64-p16", query_len=4, head_dim=64, page_size=16),
+    # FP8 per token.
+    Variant("fp8-token-q1-d128-p128-tma", scale=2),
+    Variant("fp8-token-q1-d128-p16", scale=2, page_size=16),
+    Variant("fp8-token-q4g8-d128-p128-tma", scale=2, query_len=4),
+    Variant("fp8-token-q4g16-d128-p128-tma", scale=2, query_len=4, group=16),
+    Variant("fp8-token-q4g16-d128-p16", scale=2, query_len=4, group=16, page_size=16),
+    # An fp16 query: no scaled-query path.
+    Variant("fp8-tensor-q1-d128-p128-tma-fp16q", q="fp16"),
+    # bf16 KV (no scales).
+    Variant("bf16-q1-d128-p128-tma", kv="bf16", scale=0),
+    Variant("bf16-q1-d128-p16", kv="bf16", scale=0, page_size=16),
+    Variant("bf16-q4g8-d128-p128-tma", kv="bf16", scale=0, query_len=4),
+    Variant("bf16-q1-d256-p128-tma", kv="bf16", scale=0, head_dim=256),
+    Variant("bf16-q1-d64-p16", kv="bf16", scale=0, head_dim=64, page_size=16),
+    # Serving features, masks and launch settings.
+    Variant(
+        "fp8-tensor-q1-d128-p128-tma-window-cap-sinks-lse",
+        window=True,
+        soft_cap=True,
+        sinks=True,
+        lse=True,
+    ),
+    Variant(
+        "fp8-token-q4g8-d128-p16-window-cap-ragged",
+        scale=2,
+        query_len=4,
+        page_size=16,
+        window=True,
+        soft_cap=True,
+        ragged=True,
+    ),
+    Variant(
+        "fp8-token-q4g16-d128-p128-tma-cap-ragged-lse",
+        scale=2,
+        query_len=4,
+        group=16,
+        soft_cap=True,
+        ragged=True,
+        lse=True,
+    ),
+    Variant(
+        "bf16-q4g8-d64-p16-window-sinks-ragged-lse",
+        kv="bf16",
+        scale=0,
+        query_len=4,
+        head_dim=64,
+        page_size=16,
+        window=True,
+        sinks=True,
+        ragged=True,
+        lse=True,
+    ),
+    Variant("fp8-tensor-q1-d128-p128-tma-masked-loop", unmasked_loop=False),
+    Variant(
+        "fp8-tensor-q4g16-d128-p128-tma-pdl-trace", query_len=4, group=16, pdl=True, trace=True
+    ),
+]
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _build(v: Variant):
+    """(signature, constexprs, attrs, options) of the launch ``v`` stands for."""
+    import torch
+
+    from pagedattn._kernels.decode import _decode_kernel
+    from pagedattn.launch import DecodeLaunchConfig, decode_launch_config, head_chunks
+
+    kv_dtype = torch.float8_e4m3fn if v.kv == "fp8" else torch.bfloat16
+    kv_ty = "fp8e4nv" if v.kv == "fp8" else "bf16"
+    q_ty = v.q
+    rows = v.query_len * v.group
+    num_q_heads = NUM_KV_HEADS * v.group
+    kv_scale = {0: None, 1: "per_tensor", 2: "per_token"}[v.scale]
+    config = decode_launch_config(
+        head_dim=v.head_dim, rows=rows, kv_dtype=kv_dtype, partition_size=256, kv_scale=kv_scale
+    )
+    config = dataclasses.replace(
+        config, head_chunk=v.head_chunk, tma=v.tma, unmasked_loop=v.unmasked_loop
+    )
+    assert isinstance(config, DecodeLaunchConfig)
+    block_n = min(config.block_n, 256)
+    chunks = head_chunks(config, v.head_dim)
+    dc = v.head_dim // chunks
+    use_tma = config.tma and v.page_size >= 16 and block_n <= v.page_size
+    fp8_bf16 = v.kv == "fp8" and v.q == "bf16"
+
+    kv_strides = (v.page_size * NUM_KV_HEADS * v.head_dim, NUM_KV_HEADS * v.head_dim, v.head_dim, 1)
+    scale_strides = (v.page_size * NUM_KV_HEADS, NUM_KV_HEADS, 1) if v.scale == 2 else (0, 0, 0)
+    desc = f"tensordesc<{kv_ty}[1, {block_n}, 1, {dc}]>" if use_tma else f"*{kv_ty}"
+    # name -> type, or an int (the value a launch passes: specialised as a launch does).
+    args = {
+        "q_ptr": f"*{q_ty}",
+        "stride_q_tok": num_q_heads * v.head_dim,
+        "stride_q_head": v.head_dim,
+        "stride_q_dim": 1,
+        "k_desc": desc,
+        "v_desc": desc,
+        "k_ptr": f"*{kv_ty}",
+        **{f"stride_k_{axis}": x for axis, x in zip(KV_AXES, kv_strides)},
+        "v_ptr": f"*{kv_ty}",
+        **{f"stride_v_{axis}": x for axis, x in zip(KV_AXES, kv_strides)},
+        "k_scale_ptr": "*fp32" if v.scale else "*i32",
+        **{f"stride_ks_{axis}": x for axis, x in zip(KV_AXES, scale_strides)},
+        "v_scale_ptr": "*fp32" if v.scale else "*i32",
+        **{f"stride_vs_{axis}": x for axis, x in zip(KV_AXES, scale_strides)},
+        "block_table_ptr": "*i32",
+        "stride_bt": MAX_PAGES,
+        "stride_bt_col": 1,
+        "num_pages": "i32",
+        "capacity": "i32",
+        "seq_lens_ptr": "*i32",
+        "query_start_loc_ptr": "*i32",
+        "num_q_rows": "i32",
+        "work_indptr_ptr": "*i32",
+        "works_offset": "i32",
+        "planned_lens_offset": "i32",
+        "faults_offset": "i32",
+        "planned_rows_offset": "i32",
+        "sinks_ptr": "*fp32" if v.sinks else f"*{q_ty}",
+        "out_ptr": f"*{q_ty}",
+        "stride_o_tok": num_q_heads * v.head_dim,
+        "stride_o_head": v.head_dim,
+        "lse_ptr": "*fp32" if v.lse else f"*{q_ty}",
+        "stride_lse_tok": num_q_heads if v.lse else 0,
+        "partial_out_ptr": "*fp32",
+        "lse_offset": "i32",
+        "qk_scale": "fp32",
+        "soft_cap": "fp32",
+        "soft_cap_inv2": "fp32",
+        "window": "i32",
+        "trace_ptr": "*i64" if v.trace else None,
+    }
+    constexprs = dict(
+        QUERY_LEN=v.query_len,
+        GROUP=v.group,
+        HEAD_DIM=v.head_dim,
+        PAGE_SIZE=v.page_size,
+        BLOCK_M=max(BLOCK_M_MIN, _next_power_of_2(rows)),
+        BLOCK_N=block_n,
+        SCALE_MODE=v.scale,
+        HAS_WINDOW=v.window,
+        SOFT_CAP=v.soft_cap,
+        HAS_SINKS=v.sinks,
+        RAGGED=v.ragged,
+        WRITE_LSE=v.lse,
+        DOT_FP32=False,
+        USE_TMA=use_tma,
+        QK_FP16=config.qk_fp16 and fp8_bf16,
+        QK_FP8=config.qk_fp8 and fp8_bf16 and not v.exact_qk,
+        UNMASKED_LOOP=config.unmasked_loop,
+        CHUNKS=chunks,
+        NUM_STAGES=config.num_stages,
+        TAIL_STAGES=config.tail_stages,
+        PDL=v.pdl,
+        TRACE=v.trace,
+    )
+    signature, attrs = {}, {}
+    for i, name in enumerate(_decode_kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        arg = args[name]
+        if arg is None or arg == 1:
+            signature[name] = "constexpr"
+            constexprs[name] = arg
+            continue
+        if isinstance(arg, int):
+            signature[name] = "i32"
+            if arg % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            continue
+        signature[name] = arg
+        if arg.startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
+    return _decode_kernel, signature, constexprs, attrs, options
+
+
+def digest(v: Variant) -> str:
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    fn, signature, constexprs, attrs, options = _build(v)
+    knobs.compilation.disable_line_info = True
+    knobs.compilation.always_compile = True
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(
+            triton.compiler.ASTSource(
+                fn=fn, signature=signature, constexprs=constexprs, attrs=attrs
+            ),
+            target=GPUTarget("cuda", 90, 32),
+            options=options,
+        )
+    ptx = compiled.asm["ptx"]
+    text = log.getvalue()
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (
+        f"{v.name:50s} ptx={hashlib.sha256(ptx.encode()).hexdigest()} "
+        f"regs={regs.group(1) if regs else '?'} "
+        f"spill={spills.group(1) + '/' + spills.group(2) if spills else '?'} "
+        f"shared={compiled.metadata.shared}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="compiles at once")
+    parser.add_argument("names", nargs="*", help="only variants whose name holds one of these")
+    args = parser.parse_args()
+    variants = [v for v in VARIANTS if not args.names or any(n in v.name for n in args.names)]
+    # A private cache: every run compiles, and no other cache is touched.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_digest_")
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for line in pool.map(digest, variants):
+            print(line, flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
