@@ -16,6 +16,7 @@ import pagedattn
 from pagedattn._kernels.decode import _split_e4m3
 from pagedattn.launch import DecodeLaunchConfig, ReduceLaunchConfig
 from pagedattn.reference import paged_decode_torch, rel_error
+from pagedattn.testing import random_step, reference_decode
 
 pytestmark = pytest.mark.usefixtures("each_backend")  # each kernel family
 
@@ -210,29 +211,9 @@ CASES = {
 }
 
 
-def run_case(case: Case, gen, scale_lens: int = 1):
-    lens = [max(n * scale_lens, case.query_len) for n in case.lens]
-    cache = pagedattn.build_paged_cache(
-        lens,
-        num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim,
-        page_size=case.page_size,
-        kv_dtype=case.kv_dtype,
-        kv_layout=case.kv_layout,
-        kv_scale=case.kv_scale,
-        device=DEVICE,
-        generator=gen,
-        extra_pages=2,
-        kv_combined=case.kv_combined,
-    )
-    batch = len(lens)
-    q = torch.randn(
-        batch * case.query_len, case.num_q_heads, case.head_dim, generator=gen, device=DEVICE
-    ).to(case.q_dtype)
-    out_dtype = case.out_dtype or case.q_dtype
-    out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=DEVICE)  # poison
-    plan = pagedattn.plan_decode(
-        cache.seq_lens,
+def _sizes(case: Case) -> dict:
+    """The step's sizes, as the step builder and plan_decode both take them."""
+    return dict(
         num_q_heads=case.num_q_heads,
         num_kv_heads=case.num_kv_heads,
         head_dim=case.head_dim,
@@ -240,9 +221,33 @@ def run_case(case: Case, gen, scale_lens: int = 1):
         query_len=case.query_len,
         kv_dtype=case.kv_dtype,
         kv_scale=case.kv_scale,
+    )
+
+
+def _plan(case: Case, seq_lens):
+    return pagedattn.plan_decode(
+        seq_lens,
+        **_sizes(case),
         num_programs=case.num_programs,
         partition_size=case.partition_size,
     )
+
+
+def run_case(case: Case, gen, scale_lens: int = 1):
+    lens = [max(n * scale_lens, case.query_len) for n in case.lens]
+    cache, q = random_step(
+        lens,
+        **_sizes(case),
+        q_dtype=case.q_dtype,
+        device=DEVICE,
+        generator=gen,
+        kv_layout=case.kv_layout,
+        extra_pages=2,
+        kv_combined=case.kv_combined,
+    )
+    out_dtype = case.out_dtype or case.q_dtype
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=DEVICE)  # poison
+    plan = _plan(case, cache.seq_lens)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kwargs = dict(
         sm_scale=case.sm_scale,
@@ -351,10 +356,15 @@ def test_per_token_v_scales_far_apart(query_len, gen):
 
 
 def test_plan_made_internally(gen):
-    cache = pagedattn.build_paged_cache(
-        [30, 5], num_kv_heads=2, head_dim=64, page_size=8, device=DEVICE, generator=gen
+    cache, q = random_step(
+        [30, 5],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=8,
+        device=DEVICE,
+        generator=gen,
     )
-    q = torch.randn(2, 4, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     out = pagedattn.paged_decode(*args)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -376,18 +386,7 @@ def test_repeated_runs_are_bitwise_identical(gen):
     case = CASES["many-programs-split"]
     cache = _small_fp8_cache(case.lens, "per_tensor", gen)
     q = torch.randn(4, 4, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
-    plan = pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=4,
-        num_kv_heads=1,
-        head_dim=64,
-        page_size=16,
-        query_len=2,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-        num_programs=12,
-        partition_size=16,
-    )
+    plan = _plan(case, cache.seq_lens)
     assert plan.reduce_items()
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale, return_lse=True)
@@ -403,33 +402,25 @@ def test_repeated_runs_are_bitwise_identical(gen):
 # ---------------------------------------------------------------- GPU only
 
 
+SEED_SHAPE = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=1024)
+
+
 def seed_step(batch, context, query_len, gen, *, kv_scale="per_tensor", kv_dtype=FP8):
     """The seed's shape (16/1 heads, head_dim 128, page 1024): a cache and a bf16 query."""
-    cache = pagedattn.build_paged_cache(
+    return random_step(
         [context] * batch,
-        num_kv_heads=1,
-        head_dim=128,
-        page_size=1024,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
+        **SEED_SHAPE,
+        query_len=query_len,
         device=DEVICE,
         generator=gen,
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
     )
-    q = torch.randn(batch * query_len, 16, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
-    return cache, q
 
 
 def seed_plan(cache, *, kv_dtype=FP8, kv_scale="per_tensor"):
     """plan_decode for a query_len-1 ``seed_step`` cache, default grid and partition."""
-    return pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=16,
-        num_kv_heads=1,
-        head_dim=128,
-        page_size=1024,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-    )
+    return pagedattn.plan_decode(cache.seq_lens, **SEED_SHAPE, kv_dtype=kv_dtype, kv_scale=kv_scale)
 
 
 @requires_gpu
@@ -469,18 +460,9 @@ def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
     dependent launches (the default on GPUs that have them) and without (PAGEDATTN_PDL=0)."""
     monkeypatch.setattr(pagedattn.api, "_PDL", pdl)
     batch, query_len, max_len = 8, 2, 5000
-    lens = [max_len] * batch
-    cache = pagedattn.build_paged_cache(
-        lens,
-        num_kv_heads=2,
-        head_dim=128,
-        page_size=16,
-        kv_dtype=FP8,
-        kv_scale="per_token",
-        device=DEVICE,
-        generator=gen,
-    )
-    q = torch.randn(batch * query_len, 8, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, query_len=query_len)
+    shape.update(kv_dtype=FP8, kv_scale="per_token")
+    cache, q = random_step([max_len] * batch, **shape, device=DEVICE, generator=gen)
     seq_lens = cache.seq_lens.clone()
     out = torch.empty_like(q)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
@@ -488,16 +470,7 @@ def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
     plans = []
 
     def step():
-        plan = pagedattn.plan_decode(
-            seq_lens,
-            num_q_heads=8,
-            num_kv_heads=2,
-            head_dim=128,
-            page_size=16,
-            query_len=query_len,
-            kv_dtype=FP8,
-            kv_scale="per_token",
-        )
+        plan = pagedattn.plan_decode(seq_lens, **shape)
         plans.append(plan)
         pagedattn.paged_decode(
             q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, plan=plan, out=out, **kw
@@ -520,7 +493,7 @@ def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
         seq_lens.copy_(new.to(torch.int32))
         out.fill_(float("nan"))
         graph.replay()
-        ref = paged_decode_torch(q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, **kw)
+        ref = reference_decode(q, cache, seq_lens)
         assert rel_error(out, ref) < tolerance(FP8, torch.bfloat16), f"replay {trial}"
         chosen.append(plans[-1].step_partition_size())
     assert chosen[1] == 256 and chosen[3] == 128, chosen  # 5000 tokens > 32 x 128; all short
@@ -552,8 +525,7 @@ def test_decode_with_plan_never_syncs(gen):
     cache, q = seed_step(4, 8192, 4, gen, kv_scale="per_token")
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, return_lse=True)
-    shape = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=1024, query_len=4)
-    shape.update(kv_dtype=FP8, kv_scale="per_token")
+    shape = dict(SEED_SHAPE, query_len=4, kv_dtype=FP8, kv_scale="per_token")
     plan = pagedattn.plan_decode(cache.seq_lens, **shape)
     pagedattn.paged_decode(*args, plan=plan, **kw)  # compile outside the check
     torch.cuda.synchronize()

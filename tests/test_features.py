@@ -21,7 +21,8 @@ from pagedattn.cache import FP8_DTYPE
 from pagedattn.integrations import BatchDecodeWrapper, vllm_paged_decode
 from pagedattn.launch import ScheduleLaunchConfig
 from pagedattn.plan import invariant_chunks, schedule_invariant_numpy
-from pagedattn.reference import paged_decode_torch, rel_error
+from pagedattn.reference import rel_error
+from pagedattn.testing import fault_codes, random_step, reference_decode
 
 BF16, FP16 = torch.bfloat16, torch.float16
 SCALE = 40 if ON_GPU else 1  # lengths on a GPU
@@ -51,30 +52,9 @@ class Step:
     window: int | None = None
 
 
-def _inputs(step: Step, gen, q_rows=None, scale=SCALE):
-    lens = [n * scale for n in step.lens]
-    cache = pagedattn.build_paged_cache(
-        lens,
-        num_kv_heads=step.num_kv_heads,
-        head_dim=64,
-        page_size=step.page_size,
-        kv_dtype=step.kv_dtype,
-        kv_layout=step.kv_layout,
-        kv_scale=step.kv_scale,
-        device=DEVICE,
-        generator=gen,
-        extra_pages=1,
-    )
-    rows = q_rows if q_rows is not None else len(lens) * step.query_len
-    heads = step.num_kv_heads * step.group
-    q = torch.randn(rows, heads, 64, generator=gen, device=DEVICE).to(step.q_dtype)
-    return cache, q
-
-
-def _plan(step: Step, seq_lens, **kw):
-    kw.setdefault("partition_size", PARTITION)
-    return pagedattn.plan_decode(
-        seq_lens,
+def _sizes(step: Step) -> dict:
+    """The step's sizes, as the step builder and plan_decode both take them."""
+    return dict(
         num_q_heads=step.num_kv_heads * step.group,
         num_kv_heads=step.num_kv_heads,
         head_dim=64,
@@ -82,9 +62,25 @@ def _plan(step: Step, seq_lens, **kw):
         query_len=step.query_len,
         kv_dtype=step.kv_dtype,
         kv_scale=step.kv_scale,
-        num_programs=step.num_programs,
-        **kw,
     )
+
+
+def _inputs(step: Step, gen, q_rows=None, scale=SCALE):
+    return random_step(
+        [n * scale for n in step.lens],
+        **_sizes(step),
+        q_rows=q_rows,
+        q_dtype=step.q_dtype,
+        device=DEVICE,
+        generator=gen,
+        kv_layout=step.kv_layout,
+        extra_pages=1,
+    )
+
+
+def _plan(step: Step, seq_lens, **kw):
+    kw.setdefault("partition_size", PARTITION)
+    return pagedattn.plan_decode(seq_lens, **_sizes(step), num_programs=step.num_programs, **kw)
 
 
 def _decode(step, cache, q, plan, out=None, **kw):
@@ -112,19 +108,7 @@ def _decode(step, cache, q, plan, out=None, **kw):
 
 
 def _reference(step, cache, q, **kw):
-    return paged_decode_torch(
-        q,
-        cache.k_cache,
-        cache.v_cache,
-        cache.block_table,
-        cache.seq_lens,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        kv_layout=step.kv_layout,
-        sliding_window=step.window,
-        return_lse=True,
-        **kw,
-    )
+    return reference_decode(q, cache, sliding_window=step.window, return_lse=True, **kw)
 
 
 def _check(step, got, ref, rows=None):
@@ -280,10 +264,7 @@ def test_bad_query_start_loc_faults_its_sequences_only(gen):
     assert planned == [[-1, -1]] * 4 + [[8, 10], [10, 12], [12, 12], [12, 13], [13, 16]]
     with pytest.raises(ValueError, match=r"query_start_loc: 6 faulty sequence\(s\).*sequence 0"):
         _decode_ragged(step, cache, q, plan, qsl)
-    faults = {}
-    for fault in plan.faults():
-        faults[fault.seq] = faults.get(fault.seq, 0) | fault.code
-    assert faults == want
+    assert fault_codes(plan) == want
     out, lse = _decode_ragged(step, cache, q, plan, qsl, debug=False)
     _check_untouched(out, slice(0, 8))
     _check_untouched(out, slice(13, 15))

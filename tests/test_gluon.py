@@ -25,6 +25,7 @@ import pagedattn
 from pagedattn._kernels import records
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
+from pagedattn.testing import fault_codes, random_step, reference_decode
 
 GLUON_MISSING = importlib.util.find_spec("triton.experimental.gluon") is None
 WRONG_TRITON = not triton.__version__.startswith("3.6.")
@@ -110,6 +111,18 @@ PAGE_SIZE = 256
 TOL = 3e-3  # bf16 output
 
 
+def _shape(group=8, kv_scale="per_tensor", head_dim=HEAD_DIM, page_size=PAGE_SIZE):
+    """An FP8 step's sizes, as the step builder and plan_decode both take them."""
+    return dict(
+        num_q_heads=NUM_KV_HEADS * group,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        page_size=page_size,
+        kv_dtype=FP8_DTYPE,
+        kv_scale=kv_scale,
+    )
+
+
 def _decode(
     lens,
     *,
@@ -124,33 +137,22 @@ def _decode(
     """Builds a cache for ``lens`` (invalid ones as empty sequences), lets ``edit`` spoil it
     (returns the lengths passed to the kernel and those planned), decodes into poisoned
     outputs; returns (out, lse, faults, q, cache, seq_lens)."""
-    clean = [max(n, 0) for n in lens]
-    cache = pagedattn.build_paged_cache(
-        clean,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE_SIZE,
-        kv_dtype=FP8_DTYPE,
-        kv_layout=kv_layout,
-        kv_scale=kv_scale,
+    shape = _shape(group, kv_scale)
+    cache, q = random_step(
+        [max(n, 0) for n in lens],
+        **shape,
         device=DEVICE,
         generator=gen,
+        kv_layout=kv_layout,
         extra_pages=1,
     )
     seq_lens, plan_lens = list(lens), list(lens)
     if edit is not None:
         seq_lens, plan_lens = edit(cache, seq_lens, plan_lens)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    heads = NUM_KV_HEADS * group
-    q = torch.randn(len(lens), heads, HEAD_DIM, generator=gen, device=DEVICE).to(torch.bfloat16)
     plan = pagedattn.plan_decode(
         torch.tensor(plan_lens, dtype=torch.int32, device=DEVICE),
-        num_q_heads=heads,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE_SIZE,
-        kv_dtype=FP8_DTYPE,
-        kv_scale=kv_scale,
+        **shape,
         num_programs=num_programs,
         partition_size=partition_size,
     )
@@ -172,10 +174,7 @@ def _decode(
         lse=lse,
     )
     torch.cuda.synchronize()
-    faults = {}
-    for f in plan.faults():
-        faults[f.seq] = faults.get(f.seq, 0) | f.code
-    return out, lse, faults, q, cache, seq_lens
+    return out, lse, fault_codes(plan), q, cache, seq_lens
 
 
 def _check(out, lse, q, cache, lens, valid):
@@ -183,17 +182,7 @@ def _check(out, lse, q, cache, lens, valid):
     ref_lens = torch.tensor(
         [n if b in valid else 0 for b, n in enumerate(lens)], dtype=torch.int32, device=DEVICE
     )
-    ref, ref_lse = paged_decode_torch(
-        q,
-        cache.k_cache,
-        cache.v_cache,
-        cache.block_table,
-        ref_lens,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        kv_layout=cache.kv_layout,
-        return_lse=True,
-    )
+    ref, ref_lse = reference_decode(q, cache, ref_lens, return_lse=True)
     rows = [b for b in range(len(lens)) if b in valid and lens[b] > 0]
     if rows:
         err = rel_error(out[rows], ref[rows])
@@ -311,19 +300,9 @@ def test_outside_its_scope_it_says_so(gen):
 
 
 def _small_call(head_dim=HEAD_DIM, page_size=PAGE_SIZE, gen=None):
-    lens = [300, 1, 0, 700]
-    cache = pagedattn.build_paged_cache(
-        lens,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=head_dim,
-        page_size=page_size,
-        kv_dtype=FP8_DTYPE,
-        kv_scale="per_tensor",
-        device=DEVICE,
-        generator=gen,
-    )
-    q = torch.randn(len(lens), NUM_KV_HEADS * 8, head_dim, generator=gen, device=DEVICE)
-    args = (q.to(torch.bfloat16), cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    shape = _shape(head_dim=head_dim, page_size=page_size)
+    cache, q = random_step([300, 1, 0, 700], **shape, device=DEVICE, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     return args, dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
 
 
@@ -391,17 +370,7 @@ def test_auto_takes_the_preferred_family(gen):
 def test_bitwise_deterministic_over_20_runs(gen):
     args, kw = _small_call(gen=gen)
     # Few programs and short partitions: the long sequences are split and merged.
-    plan = pagedattn.plan_decode(
-        args[4],
-        num_q_heads=args[0].shape[1],
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE_SIZE,
-        kv_dtype=FP8_DTYPE,
-        kv_scale="per_tensor",
-        num_programs=4,
-        partition_size=128,
-    )
+    plan = pagedattn.plan_decode(args[4], **_shape(), num_programs=4, partition_size=128)
     kw.update(plan=plan, backend="gluon", return_lse=True)
     first = pagedattn.paged_decode(*args, **kw)
     for _ in range(20):
@@ -413,29 +382,10 @@ def test_bitwise_deterministic_over_20_runs(gen):
 @pytest.mark.skipif(not _is_hopper(), reason="the Hopper family runs on sm_90")
 @pytest.mark.parametrize("kv_scale", ["per_tensor", "per_token"])
 def test_cuda_graph_replay_with_new_lengths(gen, kv_scale):
-    max_lens = [2000, 700, 1500]
-    cache = pagedattn.build_paged_cache(
-        max_lens,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE_SIZE,
-        kv_dtype=FP8_DTYPE,
-        kv_scale=kv_scale,
-        device=DEVICE,
-        generator=gen,
-    )
-    heads = NUM_KV_HEADS * 16
-    q = torch.randn(3, heads, HEAD_DIM, generator=gen, device=DEVICE).to(torch.bfloat16)
+    shape = _shape(group=16, kv_scale=kv_scale)
+    cache, q = random_step([2000, 700, 1500], **shape, device=DEVICE, generator=gen)
     seq_lens = cache.seq_lens.clone()
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    shape = dict(
-        num_q_heads=heads,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE_SIZE,
-        kv_dtype=FP8_DTYPE,
-        kv_scale=kv_scale,
-    )
     plan = pagedattn.plan_decode(seq_lens, **shape)
     out = torch.empty_like(q)
 
@@ -456,7 +406,7 @@ def test_cuda_graph_replay_with_new_lengths(gen, kv_scale):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref = paged_decode_torch(q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, **kw)
+        ref = reference_decode(q, cache, seq_lens)
         rows = [b for b, n in enumerate(lens) if n > 0]
         assert rel_error(out[rows], ref[rows]) < TOL, lens
         assert all(bool((out[b] == 0).all()) for b, n in enumerate(lens) if n == 0)

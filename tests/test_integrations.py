@@ -8,44 +8,29 @@ from conftest import DEVICE
 import pagedattn
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.integrations import BatchDecodeWrapper, vllm_paged_decode
-from pagedattn.reference import paged_decode_torch, rel_error
+from pagedattn.reference import rel_error
+from pagedattn.testing import random_step, reference_decode
 
 pytestmark = pytest.mark.usefixtures("each_backend")  # each kernel family
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 64, 4
 LENS = [5, 0, 23]  # a padding slot in the middle (3 sequences, one query row each)
+# The step's sizes, as plan_decode and as the wrapper's plan() name them.
+PLAN_SIZES = dict(num_q_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE)
+WRAPPER_SIZES = dict(num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE)
 
 
-def _cache(gen, *, kv_dtype=torch.bfloat16, kv_scale=None, kv_layout="NHD"):
-    return pagedattn.build_paged_cache(
+def _step(gen, *, kv_dtype=torch.bfloat16, kv_scale=None, kv_layout="NHD"):
+    """The cache of ``LENS`` and a bf16 query (one row a sequence)."""
+    return random_step(
         LENS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE,
+        **PLAN_SIZES,
+        device=DEVICE,
+        generator=gen,
         kv_dtype=kv_dtype,
         kv_layout=kv_layout,
         kv_scale=kv_scale,
-        device=DEVICE,
-        generator=gen,
         extra_pages=1,
-    )
-
-
-def _query(gen, rows=3):
-    return torch.randn(rows, HEADS, HEAD_DIM, generator=gen, device=DEVICE).to(torch.bfloat16)
-
-
-def _reference(q, cache, **kw):
-    return paged_decode_torch(
-        q,
-        cache.k_cache,
-        cache.v_cache,
-        cache.block_table,
-        cache.seq_lens,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        kv_layout=cache.kv_layout,
-        **kw,
     )
 
 
@@ -60,28 +45,18 @@ def _csr(cache):
 def _plan(wrapper, cache, **kw):
     indptr, indices, last = _csr(cache)
     kw.setdefault("num_programs", 4)
-    return wrapper.plan(
-        indptr,
-        indices,
-        last,
-        num_qo_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE,
-        **kw,
-    )
+    return wrapper.plan(indptr, indices, last, **WRAPPER_SIZES, **kw)
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 def test_wrapper_combined_cache_matches_reference_and_reuses_plan(gen, kv_layout):
-    cache = _cache(gen, kv_layout=kv_layout)
+    cache, q = _step(gen, kv_layout=kv_layout)
     combined = torch.stack([cache.k_cache, cache.v_cache], dim=1)  # [pages, 2, ...]
-    q = _query(gen)
     wrapper = BatchDecodeWrapper(kv_layout=kv_layout)
     plan = _plan(wrapper, cache)
     assert torch.equal(wrapper.seq_lens, cache.seq_lens)
     out, lse = wrapper.run(q, combined, return_lse=True)
-    ref, ref_lse = _reference(q, cache, return_lse=True)
+    ref, ref_lse = reference_decode(q, cache, return_lse=True)
     assert rel_error(out, ref) < 1e-2
     assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
     live = torch.isfinite(ref_lse)
@@ -94,8 +69,7 @@ def test_wrapper_combined_cache_matches_reference_and_reuses_plan(gen, kv_layout
 
 
 def test_wrapper_fp8_uint8_cache_float_scales_and_out(gen):
-    cache = _cache(gen, kv_dtype=FP8_DTYPE, kv_scale="per_tensor")
-    q = _query(gen)
+    cache, q = _step(gen, kv_dtype=FP8_DTYPE, kv_scale="per_tensor")
     wrapper = BatchDecodeWrapper()
     _plan(wrapper, cache, kv_dtype=FP8_DTYPE, kv_scale="per_tensor", sm_scale=0.1)
     out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
@@ -107,12 +81,11 @@ def test_wrapper_fp8_uint8_cache_float_scales_and_out(gen):
         out=out,
     )
     assert got is out
-    assert rel_error(out, _reference(q, cache, sm_scale=0.1)) < 2e-3
+    assert rel_error(out, reference_decode(q, cache, sm_scale=0.1)) < 2e-3
 
 
 def test_wrapper_bad_arguments(gen):
-    cache = _cache(gen)
-    q = _query(gen)
+    cache, q = _step(gen)
     wrapper = BatchDecodeWrapper()
     with pytest.raises(RuntimeError, match=r"call plan\(\) first"):
         wrapper.run(q, (cache.k_cache, cache.v_cache))
@@ -120,25 +93,9 @@ def test_wrapper_bad_arguments(gen):
     bad_last = last.clone()
     bad_last[0] = PAGE + 1
     with pytest.raises(ValueError, match=r"last_page_len: expected values in 1..page_size=4.*5"):
-        wrapper.plan(
-            indptr,
-            indices,
-            bad_last,
-            num_qo_heads=HEADS,
-            num_kv_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
-            page_size=PAGE,
-        )
+        wrapper.plan(indptr, indices, bad_last, **WRAPPER_SIZES)
     with pytest.raises(TypeError, match=r"indptr: expected an integer tensor, got torch.float32"):
-        wrapper.plan(
-            indptr.float(),
-            indices,
-            last,
-            num_qo_heads=HEADS,
-            num_kv_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
-            page_size=PAGE,
-        )
+        wrapper.plan(indptr.float(), indices, last, **WRAPPER_SIZES)
     _plan(wrapper, cache)
     with pytest.raises(ValueError, match=r"paged_kv_cache: expected a combined cache"):
         wrapper.run(q, cache.k_cache)
@@ -149,8 +106,7 @@ def test_wrapper_bad_arguments(gen):
 
 
 def test_vllm_bf16_two_dim_out_and_sliding_window(gen):
-    cache = _cache(gen)
-    q = _query(gen)
+    cache, q = _step(gen)
     out = torch.zeros(q.shape[0], HEADS * HEAD_DIM, dtype=q.dtype, device=DEVICE)
     got = vllm_paged_decode(
         q,
@@ -162,34 +118,19 @@ def test_vllm_bf16_two_dim_out_and_sliding_window(gen):
         k_scale=torch.tensor([3.0]),  # ignored with "auto", as in vLLM
         sliding_window=7,
         out=out,
-        plan=pagedattn.plan_decode(
-            cache.seq_lens,
-            num_q_heads=HEADS,
-            num_kv_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
-            page_size=PAGE,
-            num_programs=2,
-        ),
+        plan=pagedattn.plan_decode(cache.seq_lens, **PLAN_SIZES, num_programs=2),
     )
     assert got is out
-    ref = _reference(q, cache, sliding_window=7)
+    ref = reference_decode(q, cache, sliding_window=7)
     assert rel_error(out.view(q.shape), ref) < 1e-2
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
 def test_vllm_fp8_uint8_per_token_scales(gen, kv_cache_dtype):
-    cache = _cache(gen, kv_dtype=FP8_DTYPE, kv_scale="per_token")
-    q = _query(gen)
+    cache, q = _step(gen, kv_dtype=FP8_DTYPE, kv_scale="per_token")
     # A plan made once for the step, as an engine's metadata builder would.
     plan = pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE,
-        kv_dtype=FP8_DTYPE,
-        kv_scale="per_token",
-        num_programs=4,
+        cache.seq_lens, **PLAN_SIZES, kv_dtype=FP8_DTYPE, kv_scale="per_token", num_programs=4
     )
     out = vllm_paged_decode(
         q,
@@ -204,12 +145,11 @@ def test_vllm_fp8_uint8_per_token_scales(gen, kv_cache_dtype):
         plan=plan,
     )
     assert out.dtype == q.dtype
-    assert rel_error(out, _reference(q, cache, sm_scale=0.125)) < 1e-2
+    assert rel_error(out, reference_decode(q, cache, sm_scale=0.125)) < 1e-2
 
 
 def test_vllm_fp8_per_tensor_scale_as_float(gen):
-    cache = _cache(gen, kv_dtype=FP8_DTYPE, kv_scale="per_tensor")
-    q = _query(gen)
+    cache, q = _step(gen, kv_dtype=FP8_DTYPE, kv_scale="per_tensor")
     out = vllm_paged_decode(
         q,
         cache.k_cache,
@@ -221,12 +161,11 @@ def test_vllm_fp8_per_tensor_scale_as_float(gen):
         v_scale=cache.v_scale,  # a one-element tensor
         kv_cache_dtype="fp8",
     )
-    assert rel_error(out, _reference(q, cache, sm_scale=0.125)) < 1e-2
+    assert rel_error(out, reference_decode(q, cache, sm_scale=0.125)) < 1e-2
 
 
 def test_vllm_bad_arguments(gen):
-    cache = _cache(gen)
-    q = _query(gen)
+    cache, q = _step(gen)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of .*'fp8_e5m2'"):
         vllm_paged_decode(*args, scale=0.1, kv_cache_dtype="fp8_e5m2")
@@ -238,7 +177,7 @@ def test_vllm_bad_arguments(gen):
         vllm_paged_decode(*args, scale=None)
     with pytest.raises(TypeError, match=r"key_cache: expected float8_e4m3fn or uint8"):
         vllm_paged_decode(*args, scale=0.1, kv_cache_dtype="fp8")
-    fp8 = _cache(gen, kv_dtype=FP8_DTYPE, kv_scale="per_token")
+    fp8, _ = _step(gen, kv_dtype=FP8_DTYPE, kv_scale="per_token")
     with pytest.raises(
         ValueError, match=r"k_scale: expected a float, one element .* got shape \(3,\)"
     ):

@@ -16,6 +16,7 @@ from pagedattn.launch import (
     schedule_locals,
     schedule_warps,
 )
+from pagedattn.testing import random_step
 
 FP8 = torch.float8_e4m3fn
 
@@ -81,40 +82,15 @@ def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, mon
     monkeypatch.setattr(api, "_decode_kernel", Kernel())
     monkeypatch.setattr(api, "reduce_partials", lambda *args, **kwargs: None)
     monkeypatch.setattr(api, "pdl_enabled", lambda device: False)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    cache = pagedattn.build_paged_cache(
-        [40, 9],
-        num_kv_heads=1,
-        head_dim=128,
-        page_size=16,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-        device=DEVICE,
-        generator=gen,
-    )
     # q_len 4 x 16 heads: 64 rows per kv head
-    q = torch.randn(8, 16, 128, generator=gen, device=DEVICE).to(q_dtype)
-    plan = pagedattn.plan_decode(
-        cache.seq_lens,
-        num_q_heads=16,
-        num_kv_heads=1,
-        head_dim=128,
-        page_size=16,
-        query_len=4,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-        num_programs=4,
-    )
+    shape = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=16, query_len=4)
+    fp8 = dict(kv_dtype=FP8, kv_scale="per_tensor")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cache, q = random_step([40, 9], **shape, q_dtype=q_dtype, device=DEVICE, generator=gen, **fp8)
+    plan = pagedattn.plan_decode(cache.seq_lens, **shape, **fp8, num_programs=4)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     pagedattn.paged_decode(
-        q,
-        cache.k_cache,
-        cache.v_cache,
-        cache.block_table,
-        cache.seq_lens,
-        plan=plan,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        exact_qk=exact_qk,
+        *args, plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale, exact_qk=exact_qk
     )
     (kwargs,) = launched
     assert kwargs["QK_FP8"] is (q_dtype == torch.bfloat16 and not exact_qk)

@@ -15,35 +15,18 @@ import pagedattn
 from pagedattn import ops
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
+from pagedattn.testing import random_step
 
-SIZES = dict(
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    page_size=4,
-    kv_dtype=FP8_DTYPE,
-    kv_scale="per_token",
-    num_programs=4,
-    partition_size=16,
-)
+GEOMETRY = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
+GEOMETRY.update(kv_dtype=FP8_DTYPE, kv_scale="per_token")
+SIZES = dict(GEOMETRY, num_programs=4, partition_size=16)
 LENS = [5, 37, 0]  # 37 tokens span partitions: split works and the reducer run
 
 
 def _step(gen, lens=LENS):
-    cache = pagedattn.build_paged_cache(
-        lens,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=4,
-        kv_dtype=FP8_DTYPE,
-        kv_scale="per_token",
-        device=DEVICE,
-        generator=gen,
-        extra_pages=1,
-        max_pages_per_seq=12,
+    return random_step(
+        lens, **GEOMETRY, device=DEVICE, generator=gen, extra_pages=1, max_pages_per_seq=12
     )
-    q = torch.randn(len(lens), 4, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
-    return cache, q
 
 
 def _decode_args(cache):
@@ -52,15 +35,10 @@ def _decode_args(cache):
 
 def test_ops_are_bitwise_eager_paged_decode(gen):
     cache, q = _step(gen)
+    args = (q, *_decode_args(cache))
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     plan = pagedattn.plan_decode(cache.seq_lens, **SIZES)
-    want, want_lse = pagedattn.paged_decode(
-        q,
-        *_decode_args(cache),
-        plan=plan,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        return_lse=True,
-    )
+    want, want_lse = pagedattn.paged_decode(*args, plan=plan, return_lse=True, **scales)
     assert plan.reduce_items(), "expected a split sequence (the reducer's path)"
 
     other = pagedattn.plan_decode(cache.seq_lens, **SIZES)
@@ -69,36 +47,14 @@ def test_ops_are_bitwise_eager_paged_decode(gen):
     used = plan.faults_offset + plan.batch
     assert torch.equal(other.metadata[:used], plan.metadata[:used])
 
-    out, lse = ops.paged_decode(
-        q,
-        *_decode_args(cache),
-        plan=other,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        return_lse=True,
-    )
+    out, lse = ops.paged_decode(*args, plan=other, return_lse=True, **scales)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     # Into a given float32 out, through the mutating op.
     out32 = torch.full(q.shape, 5.0, device=DEVICE)
-    want32 = pagedattn.paged_decode(
-        q,
-        *_decode_args(cache),
-        plan=plan,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        out=torch.empty_like(out32),
-    )
-    got = ops.paged_decode(
-        q,
-        *_decode_args(cache),
-        plan=other,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        out=out32,
-    )
+    want32 = pagedattn.paged_decode(*args, plan=plan, out=torch.empty_like(out32), **scales)
+    got = ops.paged_decode(*args, plan=other, out=out32, **scales)
     assert got is out32 and torch.equal(out32, want32)
-    ref = paged_decode_torch(q, *_decode_args(cache), k_scale=cache.k_scale, v_scale=cache.v_scale)
-    assert rel_error(out32, ref) < 2e-3
+    assert rel_error(out32, paged_decode_torch(*args, **scales)) < 2e-3
 
 
 def test_ops_record_faults_and_check_buffers(gen):
@@ -106,30 +62,13 @@ def test_ops_record_faults_and_check_buffers(gen):
     plan = pagedattn.plan_decode(cache.seq_lens, **SIZES)
     table = cache.block_table.clone()
     table[1, 2] = 10_000  # a page id out of range: NaN rows, a fault in the plan's metadata
-    out = ops.paged_decode(
-        q,
-        cache.k_cache,
-        cache.v_cache,
-        table,
-        cache.seq_lens,
-        plan=plan,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-    )
+    args = (q, cache.k_cache, cache.v_cache, table, cache.seq_lens)
+    kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    out = ops.paged_decode(*args, **kw)
     assert bool(out[1].isnan().all()) and not bool(out[0].isnan().any())
     assert [f.seq for f in plan.faults()] == [1]
     with pytest.raises(ValueError, match=r"seq_lens/block_table: 1 faulty sequence"):
-        ops.paged_decode(
-            q,
-            cache.k_cache,
-            cache.v_cache,
-            table,
-            cache.seq_lens,
-            plan=plan,
-            k_scale=cache.k_scale,
-            v_scale=cache.v_scale,
-            debug=True,
-        )
+        ops.paged_decode(*args, **kw, debug=True)
     args = list(ops._plan_args(plan))
     with pytest.raises(ValueError, match=r"metadata: expected int32 of shape \(\d+,\)"):
         torch.ops.pagedattn.refill_plan(cache.seq_lens, plan.metadata[:-1], *args)
@@ -138,30 +77,12 @@ def test_ops_record_faults_and_check_buffers(gen):
 def _compiled_step(plan, seq_lens, q, k_cache, v_cache, block_table, k_scale, v_scale):
     """One decode step of two "layers": the refill op once, then the decode ops."""
     ops.refill_plan(plan, seq_lens)
-    first, lse = ops.paged_decode(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan=plan,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        return_lse=True,
-    )
+    kv = (k_cache, v_cache, block_table, seq_lens)
+    kw = dict(plan=plan, k_scale=k_scale, v_scale=v_scale)
+    first, lse = ops.paged_decode(q, *kv, **kw, return_lse=True)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     # The public entry point, traced as ops.paged_decode (substitute_in_graph).
-    pagedattn.paged_decode(
-        (first * 2).to(q.dtype),
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan=plan,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        out=out,
-    )
+    pagedattn.paged_decode((first * 2).to(q.dtype), *kv, **kw, out=out)
     return first, lse, out + 1
 
 

@@ -145,15 +145,9 @@ def test_fuzz_random_corruptions(batch):
 
 
 def test_plan_prints_a_summary():
+    g = dataclasses.replace(GEOMETRY, query_len=1, num_programs=2, partition_size=None)
     plan = pagedattn.plan_decode(
-        torch.tensor([5, 12], dtype=torch.int32, device=DEVICE),
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=4,
-        kv_dtype=FP8_DTYPE,
-        kv_scale="per_token",
-        num_programs=2,
+        torch.tensor([5, 12], dtype=torch.int32, device=DEVICE), **testing.plan_options(g)
     )
     text = repr(plan)
     assert text.startswith("DecodePlan(batch=2, query_len=1, heads=4/2 (group 2), head_dim=64")

@@ -17,13 +17,11 @@ from pagedattn.launch import (
 from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy, valid_lens
 
 
-def make_plan(
-    lens, *, num_kv_heads, group, num_programs, partition_size, query_len=1, schedule=None
-):
-    """A plan scheduled into poisoned buffers, so that anything the scheduler should have
-    written and did not shows."""
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    kwargs = dict(
+def plan_kwargs(
+    *, num_kv_heads, group, num_programs, partition_size, query_len=1, schedule=None
+) -> dict:
+    """plan_decode's sizes for these tests' steps (head_dim 64, page 16)."""
+    return dict(
         num_q_heads=num_kv_heads * group,
         num_kv_heads=num_kv_heads,
         head_dim=64,
@@ -33,6 +31,13 @@ def make_plan(
         partition_size=partition_size,
         schedule_config=schedule,
     )
+
+
+def make_plan(lens, **shape):
+    """A plan scheduled into poisoned buffers, so that anything the scheduler should have
+    written and did not shows."""
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    kwargs = plan_kwargs(**shape)
     plan = pagedattn.plan_decode(seq_lens, **kwargs)
     plan.metadata.fill_(0x5A5A5A5A)
     return pagedattn.plan_decode(seq_lens, reuse=plan, **kwargs)
@@ -235,19 +240,11 @@ def test_program_lookup_at_large_totals(lens, num_programs):
 
 def test_reuse_refills_the_same_buffers():
     lens_a, lens_b = [300, 5, 1000], [17, 900, 2]
-    plan = make_plan(lens_a, num_kv_heads=2, group=2, num_programs=6, partition_size=64)
+    shape = dict(num_kv_heads=2, group=2, num_programs=6, partition_size=64)
+    plan = make_plan(lens_a, **shape)
     buffer = plan.metadata.data_ptr()
     seq_lens = torch.tensor(lens_b, dtype=torch.int32, device=DEVICE)
-    again = pagedattn.plan_decode(
-        seq_lens,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=16,
-        num_programs=6,
-        partition_size=64,
-        reuse=plan,
-    )
+    again = pagedattn.plan_decode(seq_lens, reuse=plan, **plan_kwargs(**shape))
     assert again is plan and plan.metadata.data_ptr() == buffer
     check_matches_numpy(plan, lens_b, 64)
 
@@ -256,27 +253,16 @@ def test_default_program_count_is_a_multiple_of_kv_heads():
     plan = make_plan([10, 20], num_kv_heads=3, group=1, num_programs=None, partition_size=16)
     assert plan.num_programs % 3 == 0 and plan.num_programs >= 3
     assert plan.partition_size == 16
-    default = pagedattn.plan_decode(
-        torch.tensor([5], dtype=torch.int32, device=DEVICE),
-        num_q_heads=2,
-        num_kv_heads=1,
-        head_dim=64,
-        page_size=16,
-    )
+    one = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    sizes = dict(num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16)
+    default = pagedattn.plan_decode(one, **sizes)
     # Without a hint the scheduler picks it from the lengths: 1 partition for >= 4 programs.
     assert default.partition_size is None and default.step_partition_size() == 128
     if ON_GPU:
         sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
         assert default.num_programs == sms * default_grid_multiplier(2) == sms * 4
     # A max_seq_len hint showing idle programs at 256 tokens picks smaller partitions.
-    hinted = pagedattn.plan_decode(
-        torch.tensor([5], dtype=torch.int32, device=DEVICE),
-        num_q_heads=2,
-        num_kv_heads=1,
-        head_dim=64,
-        page_size=16,
-        max_seq_len=1024,
-    )
+    hinted = pagedattn.plan_decode(one, **sizes, max_seq_len=1024)
     assert hinted.partition_size == default_partition(
         batch=1, max_seq_len=1024, programs_per_head=hinted.num_programs
     )

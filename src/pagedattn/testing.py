@@ -6,7 +6,8 @@ block-table rows point at NaN pages), a block table and the lengths its plan is 
 width, the plan's lengths); :func:`expected_faults` says which sequences must then come out
 NaN, with which fault codes; :func:`check_case` runs the step and checks all of it against the
 float64 reference. The test suite runs a few hundred cases through Triton's interpreter;
-``scripts/fuzz.py`` runs many more on the GPU.
+``scripts/fuzz.py`` runs many more on the GPU. :func:`random_step`, :func:`reference_decode` and
+:func:`fault_codes` are the pieces the tests' own steps are built and checked from.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from . import api
 from ._kernels import records
-from .cache import FP8_DTYPE, build_paged_cache
+from .cache import FP8_DTYPE, PagedCache, build_paged_cache
 from .reference import paged_decode_torch, rel_error
 
 CORRUPTIONS = (
@@ -164,6 +165,79 @@ def random_case(
     )
 
 
+def random_step(
+    lens,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    device: torch.device | str,
+    generator: torch.Generator | None,
+    query_len: int = 1,
+    q_rows: int | None = None,
+    q_dtype: torch.dtype = torch.bfloat16,
+    **cache_options,
+) -> tuple[PagedCache, torch.Tensor]:
+    """A random paged cache of these lengths (``cache_options`` go to :func:`build_paged_cache`)
+    and a standard-normal query of ``len(lens) * query_len`` rows (or ``q_rows``), drawn from
+    ``generator`` after the cache and rounded to ``q_dtype``."""
+    cache = build_paged_cache(
+        lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        device=device,
+        generator=generator,
+        **cache_options,
+    )
+    rows = len(lens) * query_len if q_rows is None else q_rows
+    q = torch.randn(rows, num_q_heads, head_dim, generator=generator, device=device)
+    return cache, q.to(q_dtype)
+
+
+def reference_decode(q: torch.Tensor, cache: PagedCache, seq_lens=None, **options):
+    """The float64 reference of a decode over ``cache`` (its scales and layout), with its own
+    lengths or ``seq_lens``; ``options`` go to :func:`paged_decode_torch`."""
+    return paged_decode_torch(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_table,
+        cache.seq_lens if seq_lens is None else seq_lens,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        kv_layout=cache.kv_layout,
+        **options,
+    )
+
+
+def fault_codes(plan) -> dict[int, int]:
+    """The faults a run recorded in ``plan``, as ``{seq: code}`` (a sequence's codes or-ed)."""
+    faults = {}
+    for fault in plan.faults():
+        faults[fault.seq] = faults.get(fault.seq, 0) | fault.code
+    return faults
+
+
+def _sizes(g: Geometry) -> dict:
+    """The geometry's sizes, as :func:`random_step` and ``plan_decode`` both take them."""
+    return dict(
+        num_q_heads=g.num_kv_heads * g.group,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        page_size=g.page_size,
+        query_len=g.query_len,
+        kv_dtype=g.kv_dtype,
+        kv_scale=g.kv_scale,
+    )
+
+
+def plan_options(g: Geometry) -> dict:
+    """``plan_decode``'s keyword arguments for a step of this geometry."""
+    return dict(_sizes(g), num_programs=g.num_programs, partition_size=g.partition_size)
+
+
 def make_case(
     geometry: Geometry,
     lens: list[int],
@@ -176,23 +250,16 @@ def make_case(
     """A valid step of these lengths: a random cache whose unowned pages are NaN (the padding
     slots' rows and unused table columns point at one), and a random query."""
     g = geometry
-    gen = torch.Generator(device=device).manual_seed(seed)
-    cache = build_paged_cache(
+    cache, q = random_step(
         lens,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        page_size=g.page_size,
-        kv_dtype=g.kv_dtype,
-        kv_layout=g.kv_layout,
-        kv_scale=g.kv_scale,
+        **_sizes(g),
+        q_dtype=g.q_dtype,
         device=device,
-        generator=gen,
+        generator=torch.Generator(device=device).manual_seed(seed),
+        kv_layout=g.kv_layout,
         extra_pages=1,
         max_pages_per_seq=max_pages_per_seq,
     )
-    q = torch.randn(
-        len(lens) * g.query_len, g.num_kv_heads * g.group, g.head_dim, generator=gen, device=device
-    ).to(g.q_dtype)
     return Case(
         geometry=g,
         lens=list(lens),
@@ -296,16 +363,7 @@ def run_case(case: Case, block_table: torch.Tensor | None = None):
     g = case.geometry
     device = case.q.device
     plan = api.plan_decode(
-        torch.tensor(case.plan_lens, dtype=torch.int32, device=device),
-        num_q_heads=g.num_kv_heads * g.group,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        page_size=g.page_size,
-        query_len=g.query_len,
-        kv_dtype=g.kv_dtype,
-        kv_scale=g.kv_scale,
-        num_programs=g.num_programs,
-        partition_size=g.partition_size,
+        torch.tensor(case.plan_lens, dtype=torch.int32, device=device), **plan_options(g)
     )
     out = torch.full_like(case.q, POISON)
     out, lse = api.paged_decode(
@@ -322,10 +380,7 @@ def run_case(case: Case, block_table: torch.Tensor | None = None):
         out=out,
         return_lse=True,
     )
-    faults = {}
-    for fault in plan.faults():
-        faults[fault.seq] = faults.get(fault.seq, 0) | fault.code
-    return out, lse, faults
+    return out, lse, fault_codes(plan)
 
 
 def check_case(case: Case) -> None:
