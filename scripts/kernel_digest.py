@@ -25,8 +25,8 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
-BLOCK_M_MIN = 16
 NUM_KV_HEADS = 8
+PARTITION = 256  # tokens per partition (the default plan's largest)
 MAX_PAGES = 64  # block table columns (a multiple of 16, as the usual tables are)
 KV_AXES = ("page", "slot", "head", "dim")  # the kernel's stride arguments, per logical axis
 
@@ -126,16 +126,14 @@ VARIANTS = [
 ]
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _build(v: Variant):
     """(signature, constexprs, attrs, options) of the launch ``v`` stands for."""
     import torch
 
     from pagedattn._kernels.decode import _decode_kernel
-    from pagedattn.launch import DecodeLaunchConfig, decode_launch_config, head_chunks
+    from pagedattn.api import decode_constexprs, decode_tiles
+    from pagedattn.checks import DecodeShape
+    from pagedattn.launch import DecodeLaunchConfig, decode_launch_config
 
     kv_dtype = torch.float8_e4m3fn if v.kv == "fp8" else torch.bfloat16
     kv_ty = "fp8e4nv" if v.kv == "fp8" else "bf16"
@@ -144,17 +142,19 @@ def _build(v: Variant):
     num_q_heads = NUM_KV_HEADS * v.group
     kv_scale = {0: None, 1: "per_tensor", 2: "per_token"}[v.scale]
     config = decode_launch_config(
-        head_dim=v.head_dim, rows=rows, kv_dtype=kv_dtype, partition_size=256, kv_scale=kv_scale
+        head_dim=v.head_dim,
+        rows=rows,
+        kv_dtype=kv_dtype,
+        partition_size=PARTITION,
+        kv_scale=kv_scale,
     )
     config = dataclasses.replace(
         config, head_chunk=v.head_chunk, tma=v.tma, unmasked_loop=v.unmasked_loop
     )
     assert isinstance(config, DecodeLaunchConfig)
-    block_n = min(config.block_n, 256)
-    chunks = head_chunks(config, v.head_dim)
+    block_n, chunks = decode_tiles(config, v.head_dim, PARTITION)
     dc = v.head_dim // chunks
     use_tma = config.tma and v.page_size >= 16 and block_n <= v.page_size
-    fp8_bf16 = v.kv == "fp8" and v.q == "bf16"
 
     kv_strides = (v.page_size * NUM_KV_HEADS * v.head_dim, NUM_KV_HEADS * v.head_dim, v.head_dim, 1)
     scale_strides = (v.page_size * NUM_KV_HEADS, NUM_KV_HEADS, 1) if v.scale == 2 else (0, 0, 0)
@@ -202,30 +202,33 @@ def _build(v: Variant):
         "window": "i32",
         "trace_ptr": "*i64" if v.trace else None,
     }
-    constexprs = dict(
-        QUERY_LEN=v.query_len,
-        GROUP=v.group,
-        HEAD_DIM=v.head_dim,
-        PAGE_SIZE=v.page_size,
-        BLOCK_M=max(BLOCK_M_MIN, _next_power_of_2(rows)),
-        BLOCK_N=block_n,
-        SCALE_MODE=v.scale,
-        HAS_WINDOW=v.window,
-        SOFT_CAP=v.soft_cap,
-        HAS_SINKS=v.sinks,
-        RAGGED=v.ragged,
-        WRITE_LSE=v.lse,
-        DOT_FP32=False,
-        USE_TMA=use_tma,
-        QK_FP16=config.qk_fp16 and fp8_bf16,
-        QK_FP8=config.qk_fp8 and fp8_bf16 and not v.exact_qk,
-        UNMASKED_LOOP=config.unmasked_loop,
-        CHUNKS=chunks,
-        NUM_STAGES=config.num_stages,
-        TAIL_STAGES=config.tail_stages,
-        PDL=v.pdl,
-        TRACE=v.trace,
+    shape = DecodeShape(
+        batch=4,
+        query_len=v.query_len,
+        num_q_heads=num_q_heads,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=v.head_dim,
+        page_size=v.page_size,
+        num_pages=MAX_PAGES,
+        max_pages_per_seq=MAX_PAGES,
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
     )
+    constexprs = decode_constexprs(
+        shape,
+        config,
+        q_dtype=torch.bfloat16 if v.q == "bf16" else torch.float16,
+        partition_size=PARTITION,
+        use_tma=use_tma,
+        ragged=v.ragged,
+        window=v.window,
+        soft_cap=v.soft_cap,
+        sinks=v.sinks,
+        lse=v.lse,
+        exact_qk=v.exact_qk,
+        trace=v.trace,
+    )
+    constexprs["PDL"] = v.pdl
     signature, attrs = {}, {}
     for i, name in enumerate(_decode_kernel.arg_names):
         if name in constexprs:

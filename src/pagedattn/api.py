@@ -731,6 +731,58 @@ def _raise_faults(plan: DecodePlan) -> None:
         raise ValueError(f"{what}: {len(faults)} faulty sequence(s), {rows}: {listed}{more}")
 
 
+def decode_tiles(config: DecodeLaunchConfig, head_dim: int, partition_size: int) -> tuple:
+    """The decode kernel's key tile (tokens) and head_dim chunks for ``config``. Tiles never
+    straddle a partition (works start on partition boundaries)."""
+    return min(config.block_n, partition_size), head_chunks(config, head_dim)
+
+
+def decode_constexprs(
+    shape: checks.DecodeShape,
+    config: DecodeLaunchConfig,
+    *,
+    q_dtype: torch.dtype,
+    partition_size: int,
+    use_tma: bool,
+    ragged: bool = False,
+    window: bool = False,
+    soft_cap: bool = False,
+    sinks: bool = False,
+    lse: bool = False,
+    exact_qk: bool = False,
+    trace: bool = False,
+) -> dict:
+    """The decode kernel's compile-time arguments for a launch of ``config`` on ``shape``
+    (``paged_decode`` launches with them; ``scripts/kernel_digest.py`` builds from them)."""
+    rows = shape.query_len * (shape.num_q_heads // shape.num_kv_heads)
+    block_n, chunks = decode_tiles(config, shape.head_dim, partition_size)
+    # Both Q K^T alternatives to the query dtype apply to FP8 keys with a bf16 query only.
+    fp8_keys_bf16_query = shape.kv_dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16
+    return dict(
+        QUERY_LEN=shape.query_len,
+        GROUP=shape.num_q_heads // shape.num_kv_heads,
+        HEAD_DIM=shape.head_dim,
+        PAGE_SIZE=shape.page_size,
+        BLOCK_M=max(16, next_power_of_2(rows)),
+        BLOCK_N=block_n,
+        SCALE_MODE=_SCALE_MODES[shape.kv_scale],
+        HAS_WINDOW=window,
+        SOFT_CAP=soft_cap,
+        HAS_SINKS=sinks,
+        RAGGED=ragged,
+        WRITE_LSE=lse,
+        DOT_FP32=interpreting(),
+        USE_TMA=use_tma,
+        QK_FP16=config.qk_fp16 and fp8_keys_bf16_query,
+        QK_FP8=config.qk_fp8 and fp8_keys_bf16_query and not exact_qk,
+        UNMASKED_LOOP=config.unmasked_loop,
+        CHUNKS=chunks,
+        NUM_STAGES=config.num_stages,
+        TAIL_STAGES=config.tail_stages,
+        TRACE=trace,
+    )
+
+
 def _portable_decode(
     q,
     k_cache,
@@ -755,23 +807,17 @@ def _portable_decode(
     query_start_loc=None,
 ):
     """The portable family's decode kernel and the reducer on checked arguments."""
-    return_lse = lse is not None
-    group = shape.num_q_heads // shape.num_kv_heads
-    rows = shape.query_len * group
-    block_m = max(16, next_power_of_2(rows))
     config = launch_config or decode_launch_config(
         head_dim=shape.head_dim,
-        rows=rows,
+        rows=shape.query_len * (shape.num_q_heads // shape.num_kv_heads),
         kv_dtype=shape.kv_dtype,
         partition_size=plan.min_partition_size,
         kv_scale=shape.kv_scale,
     )
-    # Tiles never straddle a partition (works start on partition boundaries). Bulk copies need
-    # the whole tile inside one page (_tma_descriptors says None otherwise); with smaller pages
-    # the gather path keeps the full tile (H200, page 16, 128 x 8192: 60% of the read ceiling
-    # against 34% for page-sized copies).
-    block_n = min(config.block_n, plan.min_partition_size)
-    chunks = head_chunks(config, shape.head_dim)
+    # Bulk copies need the whole tile inside one page (_tma_descriptors says None otherwise);
+    # with smaller pages the gather path keeps the full tile (H200, page 16, 128 x 8192: 60%
+    # of the read ceiling against 34% for page-sized copies).
+    block_n, chunks = decode_tiles(config, shape.head_dim, plan.min_partition_size)
     descriptors = None
     if config.tma and shape.num_pages > 0:
         descriptors = _tma_descriptors(
@@ -788,8 +834,6 @@ def _portable_decode(
     # Without scales the kernel never reads these pointers; any tensor will do.
     k_scale_arg = k_scale if k_scale is not None else seq_lens
     v_scale_arg = v_scale if v_scale is not None else seq_lens
-    # Both Q K^T alternatives to the query dtype apply to FP8 keys with a bf16 query only.
-    fp8_keys_bf16_query = shape.kv_dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
     args = (
         q,
         *q.stride(),
@@ -830,27 +874,20 @@ def _portable_decode(
         trace,
     )
     constexprs = dict(
-        QUERY_LEN=shape.query_len,
-        GROUP=group,
-        HEAD_DIM=shape.head_dim,
-        PAGE_SIZE=shape.page_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        SCALE_MODE=_SCALE_MODES[shape.kv_scale],
-        HAS_WINDOW=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None,
-        HAS_SINKS=sinks is not None,
-        RAGGED=plan.ragged,
-        WRITE_LSE=return_lse,
-        DOT_FP32=interpreting(),
-        USE_TMA=descriptors is not None,
-        QK_FP16=config.qk_fp16 and fp8_keys_bf16_query,
-        QK_FP8=config.qk_fp8 and fp8_keys_bf16_query and not exact_qk,
-        UNMASKED_LOOP=config.unmasked_loop,
-        CHUNKS=chunks,
-        NUM_STAGES=config.num_stages,
-        TAIL_STAGES=config.tail_stages,
-        TRACE=trace is not None,
+        **decode_constexprs(
+            shape,
+            config,
+            q_dtype=q.dtype,
+            partition_size=plan.min_partition_size,
+            use_tma=descriptors is not None,
+            ragged=plan.ragged,
+            window=sliding_window is not None,
+            soft_cap=logits_soft_cap is not None,
+            sinks=sinks is not None,
+            lse=lse is not None,
+            exact_qk=exact_qk,
+            trace=trace is not None,
+        ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
