@@ -742,7 +742,8 @@ def decode_constexprs(
     config: DecodeLaunchConfig,
     *,
     q_dtype: torch.dtype,
-    partition_size: int,
+    block_n: int,
+    chunks: int,
     use_tma: bool,
     ragged: bool = False,
     window: bool = False,
@@ -752,10 +753,10 @@ def decode_constexprs(
     exact_qk: bool = False,
     trace: bool = False,
 ) -> dict:
-    """The decode kernel's compile-time arguments for a launch of ``config`` on ``shape``
-    (``paged_decode`` launches with them; ``scripts/kernel_digest.py`` builds from them)."""
+    """The decode kernel's compile-time arguments for a launch of ``config`` on ``shape``,
+    with the tiles of :func:`decode_tiles` (``paged_decode`` launches with them;
+    ``scripts/kernel_digest.py`` builds from them)."""
     rows = shape.query_len * (shape.num_q_heads // shape.num_kv_heads)
-    block_n, chunks = decode_tiles(config, shape.head_dim, partition_size)
     # Both Q K^T alternatives to the query dtype apply to FP8 keys with a bf16 query only.
     fp8_keys_bf16_query = shape.kv_dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16
     return dict(
@@ -878,7 +879,8 @@ def _portable_decode(
             shape,
             config,
             q_dtype=q.dtype,
-            partition_size=plan.min_partition_size,
+            block_n=block_n,
+            chunks=chunks,
             use_tma=descriptors is not None,
             ragged=plan.ragged,
             window=sliding_window is not None,
