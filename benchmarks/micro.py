@@ -4,7 +4,7 @@
         [--windows 16,32] [--warps 1,4] [--locals 1,4]
     python benchmarks/micro.py reduce [--shapes 64x8192x1,...] [--tiles auto,16x32x8x4,...]
     python benchmarks/micro.py decode [--shapes 128x8192x1,...] [--mults 1,2,4] ...
-    python benchmarks/micro.py gluon [--shapes 128x8192x1,...] [--configs 264:2:0,...]
+    python benchmarks/micro.py gluon [--shapes 128x8192x1,...] [--configs 264:2:0,264:2:128:24,...]
     python benchmarks/micro.py features [--shapes 64x8192,...] [--query-lens 1,4]
 
 Shapes are ``batch x context x query_len`` of the seed workload (16/1 heads, head_dim 128, FP8
@@ -245,7 +245,8 @@ def decode(args: argparse.Namespace) -> None:
 def gluon(args: argparse.Namespace) -> None:
     """The Hopper family against the portable one: ``paged_decode`` with a precomputed plan
     (the portable family at its default grid and partition, the Hopper family at each
-    ``programs:stages:maxnreg`` config with ``--partition``), µs, GB/s, % of the read ceiling
+    ``programs:stages:maxnreg[:load_regs]`` config with ``--partition``; with ``load_regs``
+    the warp-specialised kernel), µs, GB/s, % of the read ceiling
     measured in the same run and the relative error against the float64 reference."""
     from pagedattn._kernels import gluon_decode
 
@@ -261,8 +262,10 @@ def gluon(args: argparse.Namespace) -> None:
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         ref = paged_decode_torch(*a, **kw)
-        configs = [("triton", None, None, None)] + [("gluon", *c) for c in args.configs]
-        for backend, programs, stages, maxnreg in configs:
+        configs = [("triton", None, None, None, None)] + [
+            ("gluon", *c, *(None,) * (4 - len(c))) for c in args.configs
+        ]
+        for backend, programs, stages, maxnreg, load_regs in configs:
             if backend == "triton":
                 plan = pagedattn.plan_decode(cache.seq_lens, **case.plan_kwargs())
                 step = functools.partial(pagedattn.paged_decode, *a, plan=plan, **kw)
@@ -276,9 +279,11 @@ def gluon(args: argparse.Namespace) -> None:
                     stages=stages,
                     half=args.half,
                     maxnreg=maxnreg or None,
+                    load_regs=load_regs,
                     **kw,
                 )
-            label = f"{case.describe()} {backend} {programs}:{stages}:{maxnreg}"
+            ws = f":{load_regs}" if load_regs else ""
+            label = f"{case.describe()} {backend} {programs}:{stages}:{maxnreg}{ws}"
             try:
                 us = time_graph([step] * GRAPH_CALLS).us_p50
                 out = torch.full_like(q, float("nan"))
@@ -289,9 +294,9 @@ def gluon(args: argparse.Namespace) -> None:
                 continue
             pct = 100 * kv_bytes(case) / us / 1e3 / ceiling
             rows.append((f"{batch}x{context}x{query_len}", scale, backend, programs, stages,
-                         maxnreg, us, pct, err))  # fmt: skip
+                         f"{maxnreg}{ws}" if maxnreg or ws else None, us, pct, err))  # fmt: skip
             print(f"{label}: {us:.1f} us {pct:.1f}% err {err:.2e}", flush=True)
-    print("| shape | scale | family | programs | stages | maxnreg | µs | % read | rel err |")
+    print("| shape | scale | family | programs | stages | maxnreg[:load] | µs | % read | rel err |")
     print("|---" * 9 + "|")
     for shape, scale, backend, n, st, r, us, pct, err in rows:
         print(
@@ -474,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs",
         type=lambda text: [tuple(int(x) for x in c.split(":")) for c in text.split(",")],
         default="264:2:0,396:1:168,528:1:128",
-        help="Hopper programs:stages:maxnreg (0: no register cap), e.g. 264:2:0",
+        help="Hopper programs:stages:maxnreg[:load_regs] (0: no register cap; load_regs: the "
+        "warp-specialised kernel), e.g. 264:2:0,264:2:128:24",
     )
     p.add_argument("--half", type=int, default=32, help="tokens of V converted at a time")
     p.add_argument("--partition", type=int, default=256, help="the Hopper plans' partition")

@@ -34,7 +34,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 if [[ $MODE == gluon || $MODE == all ]]; then
   # The Hopper family first: its own tests, then its sweep against the portable family.
-  python3 -m pytest -q -p no:cacheprovider -x tests/test_gluon.py >"$LOGS/gluon_tests.log" 2>&1
+  # (time-bounded: a kernel whose roles disagree on a barrier would hang)
+  timeout "${GLUON_TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -x tests/test_gluon.py \
+    >"$LOGS/gluon_tests.log" 2>&1
   summary+=("gluon tests: $(tail -1 "$LOGS/gluon_tests.log")")
   grep -E "^(FAILED|ERROR)|Error|error:" "$LOGS/gluon_tests.log" | head -20
   cp "$LOGS/gluon_tests.log" "$RESULTS"/

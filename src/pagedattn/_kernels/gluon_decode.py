@@ -73,6 +73,46 @@ def _round_4_bits(x):
 
 
 @gluon.jit
+def _work_bounds(
+    works_ptr,
+    w,
+    seq_lens_ptr,
+    planned_lens_ptr,
+    num_pages,
+    capacity,
+    BLOCK: gl.constexpr,
+):
+    """Work ``w``'s record and the checks of its lengths (they are not trusted, see decode.py):
+    (seq, kv_head, token_start, token_end, partial slot, fault, invalid, tiles). A faulty
+    work reads no KV: its range is made empty. Every role of a program calls this, so all
+    agree on the tiles of each work."""
+    rec = works_ptr + w * WORK_FIELDS
+    seq = gl.load(rec + WORK_SEQ)
+    kv_head = gl.load(rec + WORK_KV_HEAD)
+    token_start = gl.load(rec + WORK_TOKEN_START)
+    token_end = gl.load(rec + WORK_TOKEN_END)
+    slot = gl.load(rec + WORK_PARTIAL_SLOT)
+    seq_len = gl.load(seq_lens_ptr + seq)
+    planned_len = gl.load(planned_lens_ptr + seq)
+    fault = gl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
+    fault |= gl.where(seq_len > capacity, FAULT_CAPACITY, 0)
+    fault |= gl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+    invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
+    token_end = gl.where(invalid, token_start, token_end)
+    n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
+    return seq, kv_head, token_start, token_end, slot, fault, invalid, n_tiles
+
+
+@gluon.jit
+def _checked_page(bt_row, stride_bt_col, start, num_pages, pred, PAGE_SIZE: gl.constexpr):
+    """The page id of the tile at token ``start`` (0 where ``pred`` is False) and whether it
+    lies outside [0, num_pages); a bad id is read as page 0."""
+    page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col, mask=pred, other=0)
+    bad = (page < 0) | (page >= num_pages)
+    return gl.where(bad, 0, page), bad & pred
+
+
+@gluon.jit
 def _issue_tile(
     k_desc,
     v_desc,
@@ -92,10 +132,8 @@ def _issue_tile(
 ):
     """Load role: K and V of the tile at token ``start`` into ``slot`` when ``pred``. A page id
     outside [0, num_pages) is read as page 0 and flagged."""
-    page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col, mask=pred, other=0)
-    bad = (page < 0) | (page >= num_pages)
-    page = gl.where(bad, 0, page)
-    page_fault = page_fault | (bad & pred)
+    page, bad = _checked_page(bt_row, stride_bt_col, start, num_pages, pred, PAGE_SIZE)
+    page_fault = page_fault | bad
     in_page = start % PAGE_SIZE
     mbarrier.expect(kbar.index(slot), k_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(
@@ -196,6 +234,59 @@ def _softmax(
 
 
 @gluon.jit
+def _token_scales(
+    k_scale_ptr,
+    stride_ks_page,
+    stride_ks_slot,
+    stride_ks_head,
+    v_scale_ptr,
+    stride_vs_page,
+    stride_vs_slot,
+    stride_vs_head,
+    page,
+    start,
+    kv_head,
+    tok_ok,
+    offs_s,
+    PAGE_SIZE: gl.constexpr,
+):
+    """The per-token K and V scales of the tile at token ``start`` of ``page`` (0 where not
+    ``tok_ok``)."""
+    page = page.to(gl.int64)
+    in_page = (start % PAGE_SIZE + offs_s).to(gl.int64)
+    ks = gl.load(
+        k_scale_ptr + page * stride_ks_page + in_page * stride_ks_slot + kv_head * stride_ks_head,
+        mask=tok_ok,
+        other=0.0,
+    )
+    vs = gl.load(
+        v_scale_ptr + page * stride_vs_page + in_page * stride_vs_slot + kv_head * stride_vs_head,
+        mask=tok_ok,
+        other=0.0,
+    )
+    return ks, vs
+
+
+@gluon.jit
+def _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE: gl.constexpr, o_l: gl.constexpr):
+    """P to shared memory as the P V MMA's operand and the accumulator rescaled; returns
+    (o, v_norm). Per-token scales: P times the tokens' V scales relative to the tile's
+    largest (out of fp16 subnormals); the accumulator is kept in units of the last tile's."""
+    if SCALE_MODE == 2:
+        vs_max = gl.max(vs, axis=0)
+        vs_max = gl.where(vs_max > 0.0, vs_max, 1.0)
+        inv_vs_max = 1.0 / vs_max
+        alpha_o = alpha * (v_norm * inv_vs_max)
+        v_norm = vs_max
+        p = p * (vs * inv_vs_max)[:, None]
+    else:
+        alpha_o = alpha
+    p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
+    o = o * gl.convert_layout(alpha_o, gl.SliceLayout(0, o_l))[None, :]
+    return o, v_norm
+
+
+@gluon.jit
 def _values(
     o,
     v_tile,
@@ -215,22 +306,29 @@ def _values(
     HALF: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     blk: gl.constexpr,
+    RELEASE: gl.constexpr = False,
 ):
     """Values role: O^T += V^T P^T, ``HALF`` tokens of V at a time (chunk 0 is already in
-    ``v16_s``); the V slot is refilled once every warp has read it."""
+    ``v16_s``). Once every warp has read the V slot, it is refilled, or (``RELEASE``, the
+    warp-specialised kernel) ``vbar[slot]`` is arrived at to hand it back to the load warp."""
     for h in gl.static_range(BLOCK // HALF):
         if h > 0:
             _convert_v(v_tile, v16_s, h, start, token_end, HALF, blk)
         if h == BLOCK // HALF - 1:
-            gl.thread_barrier()
-            mbarrier.expect(vbar.index(slot), v_desc.block_type.nbytes, pred=refill)
-            tma.async_copy_global_to_shared(
-                v_desc,
-                [refill_page, refill_start % PAGE_SIZE, kv_head, 0],
-                vbar.index(slot),
-                v_s.index(slot),
-                pred=refill,
-            )
+            if RELEASE:
+                fence_async_shared()  # this warpgroup's reads before the next bulk copy
+                gl.thread_barrier()
+                mbarrier.arrive(vbar.index(slot))
+            else:
+                gl.thread_barrier()
+                mbarrier.expect(vbar.index(slot), v_desc.block_type.nbytes, pred=refill)
+                tma.async_copy_global_to_shared(
+                    v_desc,
+                    [refill_page, refill_start % PAGE_SIZE, kv_head, 0],
+                    vbar.index(slot),
+                    v_s.index(slot),
+                    pred=refill,
+                )
         fence_async_shared()
         gl.thread_barrier()
         o = warpgroup_mma(
@@ -388,21 +486,9 @@ def gluon_decode_kernel(
     work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
     it = 0  # tiles consumed by this program: each slot's barrier phase follows from it
     for w in range(work_begin, work_end):
-        rec = works_ptr + w * WORK_FIELDS
-        seq = gl.load(rec + WORK_SEQ)
-        kv_head = gl.load(rec + WORK_KV_HEAD)
-        token_start = gl.load(rec + WORK_TOKEN_START)
-        token_end = gl.load(rec + WORK_TOKEN_END)
-        slot = gl.load(rec + WORK_PARTIAL_SLOT)
-        seq_len = gl.load(seq_lens_ptr + seq)
-        planned_len = gl.load(planned_lens_ptr + seq)
-        # -- lengths are not trusted (see decode.py): a faulty work reads no KV --
-        fault = gl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
-        fault |= gl.where(seq_len > capacity, FAULT_CAPACITY, 0)
-        fault |= gl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
-        invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
-        token_end = gl.where(invalid, token_start, token_end)
-        n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
+        seq, kv_head, token_start, token_end, slot, fault, invalid, n_tiles = _work_bounds(
+            works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity, BLOCK
+        )
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
         page_fault = n_tiles < 0  # False
 
@@ -453,25 +539,22 @@ def gluon_decode_kernel(
             if SCALE_MODE == 2:
                 # Per-token scales of the tile (0 past the work's end), issued before the
                 # waits; the page id is looked up again (one cached load).
-                page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
-                page = gl.where((page < 0) | (page >= num_pages), 0, page).to(gl.int64)
-                in_page = (start % PAGE_SIZE + offs_s).to(gl.int64)
-                tok_ok = tok < token_end
-                ks = gl.load(
-                    k_scale_ptr
-                    + page * stride_ks_page
-                    + in_page * stride_ks_slot
-                    + kv_head * stride_ks_head,
-                    mask=tok_ok,
-                    other=0.0,
-                )
-                vs = gl.load(
-                    v_scale_ptr
-                    + page * stride_vs_page
-                    + in_page * stride_vs_slot
-                    + kv_head * stride_vs_head,
-                    mask=tok_ok,
-                    other=0.0,
+                page, _ = _checked_page(bt_row, stride_bt_col, start, num_pages, True, PAGE_SIZE)
+                ks, vs = _token_scales(
+                    k_scale_ptr,
+                    stride_ks_page,
+                    stride_ks_slot,
+                    stride_ks_head,
+                    v_scale_ptr,
+                    stride_vs_page,
+                    stride_vs_slot,
+                    stride_vs_head,
+                    page,
+                    start,
+                    kv_head,
+                    tok < token_end,
+                    offs_s,
+                    PAGE_SIZE,
                 )
             else:
                 ks = col_scale
@@ -485,12 +568,10 @@ def gluon_decode_kernel(
             nxt = i + STAGES
             refill = nxt < n_tiles
             nxt_start = token_start + nxt * BLOCK
-            nxt_page = gl.load(
-                bt_row + (nxt_start // PAGE_SIZE) * stride_bt_col, mask=refill, other=0
+            nxt_page, bad = _checked_page(
+                bt_row, stride_bt_col, nxt_start, num_pages, refill, PAGE_SIZE
             )
-            bad = (nxt_page < 0) | (nxt_page >= num_pages)
-            page_fault = page_fault | (bad & refill)
-            nxt_page = gl.where(bad, 0, nxt_page)
+            page_fault = page_fault | bad
             s = warpgroup_mma_wait(0, deps=[s])
             # The K slot is free once the warpgroup's Q K^T is done.
             mbarrier.expect(kbar.index(buf), k_desc.block_type.nbytes, pred=refill)
@@ -504,19 +585,7 @@ def gluon_decode_kernel(
             m_i, l_acc, p, alpha = _softmax(
                 s, m_i, l_acc, col_scale, tok, token_end, ks, SCALE_MODE
             )
-            if SCALE_MODE == 2:
-                # P V with P times the tokens' V scales relative to the tile's largest (out of
-                # fp16 subnormals); the accumulator is kept in units of the last tile's.
-                vs_max = gl.max(vs, axis=0)
-                vs_max = gl.where(vs_max > 0.0, vs_max, 1.0)
-                inv_vs_max = 1.0 / vs_max
-                alpha_o = alpha * (v_norm * inv_vs_max)
-                v_norm = vs_max
-                p = p * (vs * inv_vs_max)[:, None]
-            else:
-                alpha_o = alpha
-            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
-            o = o * gl.convert_layout(alpha_o, gl.SliceLayout(0, o_l))[None, :]
+            o, v_norm = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, o_l)
             o = _values(
                 o,
                 v2.index(buf),
@@ -575,6 +644,396 @@ def gluon_decode_kernel(
         mbarrier.invalidate(vbar.index(st))
 
 
+# -- the warp-specialised kernel: a load warp and a compute warpgroup --
+
+
+@gluon.jit
+def _ws_load(
+    k_desc,
+    v_desc,
+    k_s,
+    v_s,
+    kready,
+    vready,
+    empty,
+    block_table_ptr,
+    stride_bt,
+    stride_bt_col,
+    num_pages,
+    capacity,
+    seq_lens_ptr,
+    work_indptr_ptr,
+    works_offset,
+    planned_lens_offset,
+    STAGES: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+):
+    """Load warp: walks the program's works and their tiles, copying each tile's K and V into
+    the next of ``STAGES`` slots once the compute warpgroup has handed it back (``empty``),
+    across work boundaries. Bad page ids are read as page 0 (the compute side flags them)."""
+    BLOCK: gl.constexpr = 128
+    works_ptr = work_indptr_ptr + works_offset
+    planned_lens_ptr = work_indptr_ptr + planned_lens_offset
+    pid = gl.program_id(0)
+    work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
+    work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
+    it = 0
+    for w in range(work_begin, work_end):
+        seq, kv_head, token_start, _, _, _, _, n_tiles = _work_bounds(
+            works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity, BLOCK
+        )
+        bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+        for i in range(n_tiles):
+            g = it + i
+            buf = g % STAGES
+            start = token_start + i * BLOCK
+            page, _ = _checked_page(bt_row, stride_bt_col, start, num_pages, True, PAGE_SIZE)
+            in_page = start % PAGE_SIZE
+            # Slots start free: the first pass waits on the phase before the barrier's first.
+            mbarrier.wait(empty.index(buf), ((g // STAGES) & 1) ^ 1)
+            mbarrier.expect(kready.index(buf), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [page, in_page, kv_head, 0], kready.index(buf), k_s.index(buf)
+            )
+            mbarrier.expect(vready.index(buf), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [page, in_page, kv_head, 0], vready.index(buf), v_s.index(buf)
+            )
+        it += n_tiles
+
+
+@gluon.jit
+def _ws_compute(
+    q_ptr,
+    stride_q_tok,
+    stride_q_head,
+    k2,
+    v2,
+    v16_s,
+    p_s,
+    qhi_s,
+    qlo_s,
+    kready,
+    vready,
+    empty,
+    k_scale_ptr,
+    stride_ks_page,
+    stride_ks_slot,
+    stride_ks_head,
+    v_scale_ptr,
+    stride_vs_page,
+    stride_vs_slot,
+    stride_vs_head,
+    block_table_ptr,
+    stride_bt,
+    stride_bt_col,
+    num_pages,
+    capacity,
+    seq_lens_ptr,
+    work_indptr_ptr,
+    works_offset,
+    planned_lens_offset,
+    faults_offset,
+    out_ptr,
+    stride_o_tok,
+    stride_o_head,
+    lse_ptr,
+    stride_lse_tok,
+    partial_out_ptr,
+    lse_offset,
+    qk_scale,
+    GROUP: gl.constexpr,
+    R: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    SCALE_MODE: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    STAGES: gl.constexpr,
+    HALF: gl.constexpr,
+):
+    """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
+    P V out of the slot the load warp filled, handing the slot back after V is read; then
+    the epilogue. The same roles as ``gluon_decode_kernel`` without the copies."""
+    BLOCK: gl.constexpr = 128
+    D: gl.constexpr = 128
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 32]
+    )
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16]
+    )
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    works_ptr = work_indptr_ptr + works_offset
+    planned_lens_ptr = work_indptr_ptr + planned_lens_offset
+    faults_ptr = work_indptr_ptr + faults_offset
+    partial_lse_ptr = partial_out_ptr + lse_offset
+    if SCALE_MODE == 1:
+        k_scale = gl.load(k_scale_ptr)
+        v_scale = gl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    offs_s = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_l))
+    pid = gl.program_id(0)
+    work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
+    work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
+    it = 0
+    for w in range(work_begin, work_end):
+        seq, kv_head, token_start, token_end, slot, fault, invalid, n_tiles = _work_bounds(
+            works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity, BLOCK
+        )
+        bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+        page_fault = n_tiles < 0  # False
+        q_scale = _load_query(
+            q_ptr, stride_q_tok, stride_q_head, seq, kv_head, qhi_s, qlo_s, GROUP, R, D, blk
+        )
+        col_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), gl.SliceLayout(0, s_l))
+        m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
+        l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
+        o = gl.zeros([D, R], gl.float32, layout=o_l)
+        v_norm = 1.0
+        for i in range(n_tiles):
+            g = it + i
+            buf = g % STAGES
+            ph = (g // STAGES) & 1
+            start = token_start + i * BLOCK
+            tok = start + offs_s
+            page, bad = _checked_page(bt_row, stride_bt_col, start, num_pages, True, PAGE_SIZE)
+            page_fault = page_fault | bad
+            if SCALE_MODE == 2:
+                ks, vs = _token_scales(
+                    k_scale_ptr,
+                    stride_ks_page,
+                    stride_ks_slot,
+                    stride_ks_head,
+                    v_scale_ptr,
+                    stride_vs_page,
+                    stride_vs_slot,
+                    stride_vs_head,
+                    page,
+                    start,
+                    kv_head,
+                    tok < token_end,
+                    offs_s,
+                    PAGE_SIZE,
+                )
+            else:
+                ks = col_scale
+                vs = col_scale
+            mbarrier.wait(kready.index(buf), ph)
+            s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l)
+            mbarrier.wait(vready.index(buf), ph)
+            _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
+            s = warpgroup_mma_wait(0, deps=[s])
+            m_i, l_acc, p, alpha = _softmax(
+                s, m_i, l_acc, col_scale, tok, token_end, ks, SCALE_MODE
+            )
+            o, v_norm = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, o_l)
+            o = _values(
+                o,
+                v2.index(buf),
+                v16_s,
+                p_s,
+                None,
+                None,
+                empty,
+                buf,
+                False,
+                0,
+                0,
+                kv_head,
+                start,
+                token_end,
+                BLOCK,
+                HALF,
+                PAGE_SIZE,
+                blk,
+                True,
+            )
+        it += n_tiles
+        if SCALE_MODE == 2:
+            v_unit = v_norm
+        else:
+            v_unit = v_scale
+        _epilogue(
+            o,
+            m_i,
+            l_acc,
+            v_unit,
+            fault,
+            invalid,
+            page_fault,
+            seq,
+            kv_head,
+            slot,
+            faults_ptr,
+            out_ptr,
+            stride_o_tok,
+            stride_o_head,
+            lse_ptr,
+            stride_lse_tok,
+            partial_out_ptr,
+            partial_lse_ptr,
+            GROUP,
+            R,
+            D,
+            WRITE_LSE,
+            s_l,
+            o_l,
+        )
+
+
+@gluon.jit
+def gluon_ws_decode_kernel(
+    q_ptr,
+    stride_q_tok,
+    stride_q_head,
+    k_desc,
+    v_desc,
+    k_scale_ptr,
+    stride_ks_page,
+    stride_ks_slot,
+    stride_ks_head,
+    v_scale_ptr,
+    stride_vs_page,
+    stride_vs_slot,
+    stride_vs_head,
+    block_table_ptr,
+    stride_bt,
+    stride_bt_col,
+    num_pages,
+    capacity,
+    seq_lens_ptr,
+    work_indptr_ptr,
+    works_offset,
+    planned_lens_offset,
+    faults_offset,
+    out_ptr,
+    stride_o_tok,
+    stride_o_head,
+    lse_ptr,
+    stride_lse_tok,
+    partial_out_ptr,
+    lse_offset,
+    qk_scale,
+    GROUP: gl.constexpr,
+    R: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    SCALE_MODE: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    STAGES: gl.constexpr,
+    HALF: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    """``gluon_decode_kernel``'s arguments and results, with the copies in a load warp of
+    its own (``LOAD_REGS`` registers a thread) ahead of the compute warpgroup by up to
+    ``STAGES`` tiles, across works."""
+    BLOCK: gl.constexpr = 128
+    D: gl.constexpr = 128
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, BLOCK], gl.float16)
+    v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], gl.float16)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float8e4nv)
+    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], k_desc.layout)
+    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], v_desc.layout)
+    k2 = k_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
+    v2 = v_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
+    v16_s = gl.allocate_shared_memory(gl.float16, [HALF, D], v16_sl)
+    p_s = gl.allocate_shared_memory(gl.float16, [R, BLOCK], p_sl)
+    qhi_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
+    qlo_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
+    kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    vready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(kready.index(st), count=1)
+        mbarrier.init(vready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (
+                _ws_compute,
+                (
+                    q_ptr,
+                    stride_q_tok,
+                    stride_q_head,
+                    k2,
+                    v2,
+                    v16_s,
+                    p_s,
+                    qhi_s,
+                    qlo_s,
+                    kready,
+                    vready,
+                    empty,
+                    k_scale_ptr,
+                    stride_ks_page,
+                    stride_ks_slot,
+                    stride_ks_head,
+                    v_scale_ptr,
+                    stride_vs_page,
+                    stride_vs_slot,
+                    stride_vs_head,
+                    block_table_ptr,
+                    stride_bt,
+                    stride_bt_col,
+                    num_pages,
+                    capacity,
+                    seq_lens_ptr,
+                    work_indptr_ptr,
+                    works_offset,
+                    planned_lens_offset,
+                    faults_offset,
+                    out_ptr,
+                    stride_o_tok,
+                    stride_o_head,
+                    lse_ptr,
+                    stride_lse_tok,
+                    partial_out_ptr,
+                    lse_offset,
+                    qk_scale,
+                    GROUP,
+                    R,
+                    PAGE_SIZE,
+                    SCALE_MODE,
+                    WRITE_LSE,
+                    STAGES,
+                    HALF,
+                ),
+            ),
+            (
+                _ws_load,
+                (
+                    k_desc,
+                    v_desc,
+                    k_s,
+                    v_s,
+                    kready,
+                    vready,
+                    empty,
+                    block_table_ptr,
+                    stride_bt,
+                    stride_bt_col,
+                    num_pages,
+                    capacity,
+                    seq_lens_ptr,
+                    work_indptr_ptr,
+                    works_offset,
+                    planned_lens_offset,
+                    STAGES,
+                    PAGE_SIZE,
+                ),
+            ),
+        ],
+        [1],
+        [LOAD_REGS],
+    )
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(kready.index(st))
+        mbarrier.invalidate(vready.index(st))
+        mbarrier.invalidate(empty.index(st))
+
+
 # -- host side --
 
 
@@ -589,7 +1048,7 @@ def kv_block_layout():
 _ALIGNED_INTS = ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_lse_tok")
 
 
-def _signature(group: int, page_size: int, scale_mode: int, write_lse: bool, stages, half):
+def _signature(group, page_size, scale_mode, write_lse, stages, half, load_regs=None):
     """Argument types, constexprs and alignment attributes of one variant, as a launch with
     contiguous q, out and block table specialises them, for compiling without a GPU."""
     desc = f"tensordesc<fp8e4nv[1, {BLOCK_N}, 1, {HEAD_DIM}],{kv_block_layout()!r}>"
@@ -617,8 +1076,12 @@ def _signature(group: int, page_size: int, scale_mode: int, write_lse: bool, sta
         "HALF": half,
         "stride_bt_col": 1,  # a launch specialises ints equal to 1 as constants
     }
+    kernel = gluon_decode_kernel
+    if load_regs is not None:
+        kernel = gluon_ws_decode_kernel
+        constexprs["LOAD_REGS"] = load_regs
     signature, attrs = {}, {}
-    for i, name in enumerate(gluon_decode_kernel.arg_names):
+    for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
@@ -637,17 +1100,19 @@ def compile_sm90a(
     stages: int = DEFAULT_STAGES,
     half: int = DEFAULT_HALF,
     maxnreg: int | None = None,
+    load_regs: int | None = None,
 ):
     """Compiles one variant for sm_90a without a GPU (Triton's bundled ptxas); returns the
     compiled kernel (``asm`` holds ``ptx`` and ``cubin``, ``metadata.shared`` the bytes of
-    shared memory)."""
+    shared memory). ``load_regs``: the warp-specialised kernel, its load warp's registers."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    signature, constexprs, attrs = _signature(group, page_size, scale_mode, write_lse, stages, half)
-    source = GluonASTSource(
-        gluon_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs
+    signature, constexprs, attrs = _signature(
+        group, page_size, scale_mode, write_lse, stages, half, load_regs
     )
+    kernel = gluon_decode_kernel if load_regs is None else gluon_ws_decode_kernel
+    source = GluonASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(
         source,
         target=GPUTarget("cuda", 90, 32),
@@ -725,6 +1190,7 @@ def gluon_paged_decode(
     stages: int = DEFAULT_STAGES,
     half: int = DEFAULT_HALF,
     maxnreg: int | None = None,
+    load_regs: int | None = None,
 ):
     """Decode with the Hopper kernel, then the shared split reducer; the arguments mean what
     they mean for :func:`pagedattn.paged_decode` (``lse``: a float32
@@ -750,7 +1216,7 @@ def gluon_paged_decode(
             f"{lse.dtype} {tuple(lse.shape)}"
         )
     checked = (q, k_cache, v_cache, block_table, seq_lens, plan, shape)
-    tuning = dict(stages=stages, half=half, maxnreg=maxnreg)
+    tuning = dict(stages=stages, half=half, maxnreg=maxnreg, load_regs=load_regs)
     return _run_checked("gluon", checked, **given, lse=lse, **tuning)
 
 
@@ -772,17 +1238,23 @@ def launch(
     stages: int = DEFAULT_STAGES,
     half: int = DEFAULT_HALF,
     maxnreg: int | None = None,
+    load_regs: int | None = None,
     reduce_config=None,
 ):
     """The decode kernel and the shared reducer on checked, covered arguments (``maxnreg``:
-    a register cap a thread, for sweeps)."""
+    a register cap a thread, for sweeps; ``load_regs``: the warp-specialised kernel, with
+    that many registers a thread in its load warp; its compute warpgroup gets what
+    ``maxnreg`` leaves over two warpgroups)."""
     if shape.batch == 0:
         return
     group = shape.num_q_heads // shape.num_kv_heads
     if q.stride(2) != 1:
         q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
     scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
-    gluon_decode_kernel[(plan.num_programs,)](
+    kernel, extra = gluon_decode_kernel, {}
+    if load_regs is not None:
+        kernel, extra = gluon_ws_decode_kernel, dict(LOAD_REGS=load_regs)
+    kernel[(plan.num_programs,)](
         q,
         q.stride(0),
         q.stride(1),
@@ -816,6 +1288,7 @@ def launch(
         WRITE_LSE=lse is not None,
         STAGES=stages,
         HALF=half,
+        **extra,
         num_warps=NUM_WARPS,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
