@@ -791,15 +791,22 @@ def _ws_compute(
         l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
         o = gl.zeros([D, R], gl.float32, layout=o_l)
         v_norm = 1.0
+        # Page ids are loaded a tile ahead and checked at the tile's end, so no tile waits on
+        # its id (the load warp reads the ids too, for the copies).
+        nxt_id = gl.load(bt_row + (token_start // PAGE_SIZE) * stride_bt_col, mask=n_tiles > 0)
         for i in range(n_tiles):
             g = it + i
             buf = g % STAGES
             ph = (g // STAGES) & 1
             start = token_start + i * BLOCK
             tok = start + offs_s
-            page, bad = _checked_page(bt_row, stride_bt_col, start, num_pages, True, PAGE_SIZE)
-            page_fault = page_fault | bad
+            page_id = nxt_id
+            nxt_id = gl.load(
+                bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col, mask=i + 1 < n_tiles
+            )
+            bad = (page_id < 0) | (page_id >= num_pages)
             if SCALE_MODE == 2:
+                page = gl.where(bad, 0, page_id)
                 ks, vs = _token_scales(
                     k_scale_ptr,
                     stride_ks_page,
@@ -849,6 +856,7 @@ def _ws_compute(
                 blk,
                 True,
             )
+            page_fault = page_fault | bad
         it += n_tiles
         if SCALE_MODE == 2:
             v_unit = v_norm
