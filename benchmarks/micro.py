@@ -482,7 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hopper programs:stages:maxnreg[:load_regs] (0: no register cap; load_regs: the "
         "warp-specialised kernel), e.g. 264:2:0,264:2:128:24",
     )
-    p.add_argument("--half", type=int, default=32, help="tokens of V converted at a time")
+    p.add_argument(
+        "--half",
+        type=int,
+        default=None,
+        help="tokens of V converted at a time (default: the kernel's)",
+    )
     p.add_argument("--partition", type=int, default=256, help="the Hopper plans' partition")
 
     p = command(features, "each serving feature's cost against the plain step")

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -52,12 +53,24 @@ HEAD_DIM = 128
 MAX_GROUP = 16
 # Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
 SCALE_TENSOR, SCALE_TOKEN = 1, 2
-# Defaults measured with the q_len-1 loop of benchmarks/experiments/gluon_q1_loop.py on the H200: one
-# stage, V converted 32 tokens at a time, four programs per SM (48 KB of shared memory each).
-DEFAULT_STAGES = 1
-DEFAULT_HALF = 32
+# Defaults: the warp-specialised kernel, two stages, a cap of 128 registers a thread (two
+# programs an SM; the compute warpgroup gets 232, the load warp 24). 128 x 8192 per-tensor,
+# decode + reduce: 78.0 µs against 86.2 for the one-warpgroup kernel at its best and 81.0 for
+# the portable family (`benchmarks/micro.py gluon`, H200).
+DEFAULT_STAGES = 2
+DEFAULT_MAXNREG = 128
+DEFAULT_LOAD_REGS = 24
 NUM_WARPS = 4
 LN2 = gl.constexpr(0.6931471805599453)
+
+
+def default_half(scale_mode: int, load_regs: int | None) -> int:
+    """Tokens of V converted to fp16 at a time: a whole tile in the warp-specialised kernel
+    (64 with per-token scales, where a whole tile spills), 32 in the one-warpgroup kernel
+    (its four programs an SM need the smaller buffer)."""
+    if load_regs is None:
+        return 32
+    return BLOCK_N if scale_mode == SCALE_TENSOR else 64
 
 
 def rows_for_group(group: int) -> int:
@@ -310,7 +323,9 @@ def _values(
 ):
     """Values role: O^T += V^T P^T, ``HALF`` tokens of V at a time (chunk 0 is already in
     ``v16_s``). Once every warp has read the V slot, it is refilled, or (``RELEASE``, the
-    warp-specialised kernel) ``vbar[slot]`` is arrived at to hand it back to the load warp."""
+    warp-specialised kernel) ``vbar[slot]`` is arrived at to hand it back to the load warp;
+    there the last chunk's MMA is left in flight (the caller waits for it before ``v16_s``,
+    ``p_s`` or ``o`` are touched again)."""
     for h in gl.static_range(BLOCK // HALF):
         if h > 0:
             _convert_v(v_tile, v16_s, h, start, token_end, HALF, blk)
@@ -332,7 +347,10 @@ def _values(
         fence_async_shared()
         gl.thread_barrier()
         o = warpgroup_mma(
-            v16_s.permute((1, 0)), p_s.slice(h * HALF, HALF, dim=1).permute((1, 0)), o
+            v16_s.permute((1, 0)),
+            p_s.slice(h * HALF, HALF, dim=1).permute((1, 0)),
+            o,
+            is_async=RELEASE and h == BLOCK // HALF - 1,
         )
     return o
 
@@ -789,7 +807,8 @@ def _ws_compute(
         col_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), gl.SliceLayout(0, s_l))
         m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
         l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
-        o = gl.zeros([D, R], gl.float32, layout=o_l)
+        # The accumulator as an MMA in flight: each tile's P V is waited for in the next.
+        o = warpgroup_mma_init(gl.zeros([D, R], gl.float32, layout=o_l))
         v_norm = 1.0
         # Page ids are loaded a tile ahead and checked at the tile's end, so no tile waits on
         # its id (the load warp reads the ids too, for the copies).
@@ -828,6 +847,9 @@ def _ws_compute(
                 vs = col_scale
             mbarrier.wait(kready.index(buf), ph)
             s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l)
+            # The previous tile's P V, issued before this tile's two Q K^T MMAs, is done
+            # before its operands are overwritten.
+            o = warpgroup_mma_wait(2, deps=[o])
             mbarrier.wait(vready.index(buf), ph)
             _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
             s = warpgroup_mma_wait(0, deps=[s])
@@ -857,6 +879,7 @@ def _ws_compute(
                 True,
             )
             page_fault = page_fault | bad
+        o = warpgroup_mma_wait(0, deps=[o])
         it += n_tiles
         if SCALE_MODE == 2:
             v_unit = v_norm
@@ -1106,16 +1129,18 @@ def compile_sm90a(
     scale_mode: int = SCALE_TENSOR,
     write_lse: bool = False,
     stages: int = DEFAULT_STAGES,
-    half: int = DEFAULT_HALF,
-    maxnreg: int | None = None,
-    load_regs: int | None = None,
+    half: int | None = None,
+    maxnreg: int | None = DEFAULT_MAXNREG,
+    load_regs: int | None = DEFAULT_LOAD_REGS,
 ):
     """Compiles one variant for sm_90a without a GPU (Triton's bundled ptxas); returns the
     compiled kernel (``asm`` holds ``ptx`` and ``cubin``, ``metadata.shared`` the bytes of
-    shared memory). ``load_regs``: the warp-specialised kernel, its load warp's registers."""
+    shared memory). ``load_regs``: the warp-specialised kernel, its load warp's registers; None:
+    the one-warpgroup kernel. ``half`` None: :func:`default_half`."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    half = half or default_half(scale_mode, load_regs)
     signature, constexprs, attrs = _signature(
         group, page_size, scale_mode, write_lse, stages, half, load_regs
     )
@@ -1196,16 +1221,20 @@ def gluon_paged_decode(
     out=None,
     lse=None,
     stages: int = DEFAULT_STAGES,
-    half: int = DEFAULT_HALF,
-    maxnreg: int | None = None,
-    load_regs: int | None = None,
+    half: int | None = None,
+    maxnreg: int | None = DEFAULT_MAXNREG,
+    load_regs: int | None = DEFAULT_LOAD_REGS,
 ):
     """Decode with the Hopper kernel, then the shared split reducer; the arguments mean what
     they mean for :func:`pagedattn.paged_decode` (``lse``: a float32
     ``[batch, num_q_heads]`` tensor to fill, natural log, or None). Returns ``out``.
 
-    Covers what :func:`unsupported` accepts; anything else raises ``ValueError``. The kernel
-    takes 176-205 registers a thread (CPU build for sm_90a), so two programs fit on an SM."""
+    Covers what :func:`unsupported` accepts; anything else raises ``ValueError``. By default
+    the warp-specialised kernel (``load_regs`` registers a thread in its load warp, ``maxnreg``
+    over both warpgroups: two programs fit on an SM); ``load_regs=None, maxnreg=None,
+    stages=1`` the one-warpgroup kernel (176-205 registers a thread, CPU build for sm_90a).
+    ``half`` None: :func:`default_half`. Plans for it are best made with two programs an SM
+    (``num_programs``)."""
     from .. import checks
     from ..api import _run_checked
 
@@ -1244,9 +1273,9 @@ def launch(
     out,
     lse,
     stages: int = DEFAULT_STAGES,
-    half: int = DEFAULT_HALF,
-    maxnreg: int | None = None,
-    load_regs: int | None = None,
+    half: int | None = None,
+    maxnreg: int | None = DEFAULT_MAXNREG,
+    load_regs: int | None = DEFAULT_LOAD_REGS,
     reduce_config=None,
 ):
     """The decode kernel and the shared reducer on checked, covered arguments (``maxnreg``:
@@ -1259,6 +1288,7 @@ def launch(
     if q.stride(2) != 1:
         q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
     scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
+    half = half or default_half(scale_mode, load_regs)
     kernel, extra = gluon_decode_kernel, {}
     if load_regs is not None:
         kernel, extra = gluon_ws_decode_kernel, dict(LOAD_REGS=load_regs)
