@@ -184,7 +184,7 @@ def test_summarize_gives_median_and_quantiles():
 
 # -- providers --
 
-OURS = ["pagedattn", "pagedattn-decode", "pagedattn-tuned", "pagedattn-triton"]
+OURS = ["pagedattn", "pagedattn-decode", "pagedattn-tuned", "pagedattn-triton", "pagedattn-gluon"]
 PEERS = ["flashinfer", "xqa"]
 
 
@@ -205,6 +205,19 @@ def test_flashinfer_absent_is_reported_not_raised(monkeypatch):
     assert not ok
     assert why.startswith("flashinfer not installed")
     assert providers.PROVIDERS["flashinfer"].version() == ""
+
+
+def test_gluon_provider_takes_the_cases_its_family_covers():
+    gluon = providers.PROVIDERS["pagedattn-gluon"]
+    assert gluon.supports(cases.Case(batch=1, context=64))[0]
+    assert gluon.supports(cases.Case(batch=1, context=64, kv_scale="per_token"))[0]
+    for other in (
+        cases.Case(batch=1, context=64, query_len=4),
+        cases.Case(batch=1, context=64, kv_dtype="bf16", kv_scale=None),
+        cases.Case(batch=1, context=64, page_size=16),
+    ):
+        ok, why = gluon.supports(other)
+        assert not ok and why.startswith("FP8, query_len 1"), other
 
 
 def test_flashinfer_skips_per_token_scales():

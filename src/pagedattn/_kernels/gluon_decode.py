@@ -31,7 +31,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -323,9 +322,7 @@ def _values(
 ):
     """Values role: O^T += V^T P^T, ``HALF`` tokens of V at a time (chunk 0 is already in
     ``v16_s``). Once every warp has read the V slot, it is refilled, or (``RELEASE``, the
-    warp-specialised kernel) ``vbar[slot]`` is arrived at to hand it back to the load warp;
-    there the last chunk's MMA is left in flight (the caller waits for it before ``v16_s``,
-    ``p_s`` or ``o`` are touched again)."""
+    warp-specialised kernel) ``vbar[slot]`` is arrived at to hand it back to the load warp."""
     for h in gl.static_range(BLOCK // HALF):
         if h > 0:
             _convert_v(v_tile, v16_s, h, start, token_end, HALF, blk)
@@ -347,10 +344,7 @@ def _values(
         fence_async_shared()
         gl.thread_barrier()
         o = warpgroup_mma(
-            v16_s.permute((1, 0)),
-            p_s.slice(h * HALF, HALF, dim=1).permute((1, 0)),
-            o,
-            is_async=RELEASE and h == BLOCK // HALF - 1,
+            v16_s.permute((1, 0)), p_s.slice(h * HALF, HALF, dim=1).permute((1, 0)), o
         )
     return o
 
@@ -807,8 +801,7 @@ def _ws_compute(
         col_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), gl.SliceLayout(0, s_l))
         m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
         l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
-        # The accumulator as an MMA in flight: each tile's P V is waited for in the next.
-        o = warpgroup_mma_init(gl.zeros([D, R], gl.float32, layout=o_l))
+        o = gl.zeros([D, R], gl.float32, layout=o_l)
         v_norm = 1.0
         # Page ids are loaded a tile ahead and checked at the tile's end, so no tile waits on
         # its id (the load warp reads the ids too, for the copies).
@@ -847,9 +840,6 @@ def _ws_compute(
                 vs = col_scale
             mbarrier.wait(kready.index(buf), ph)
             s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l)
-            # The previous tile's P V, issued before this tile's two Q K^T MMAs, is done
-            # before its operands are overwritten.
-            o = warpgroup_mma_wait(2, deps=[o])
             mbarrier.wait(vready.index(buf), ph)
             _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
             s = warpgroup_mma_wait(0, deps=[s])
@@ -879,7 +869,6 @@ def _ws_compute(
                 True,
             )
             page_fault = page_fault | bad
-        o = warpgroup_mma_wait(0, deps=[o])
         it += n_tiles
         if SCALE_MODE == 2:
             v_unit = v_norm

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--providers",
         help="comma-separated, default all: pagedattn,pagedattn-decode,pagedattn-tuned,"
-        "pagedattn-triton,flashinfer,xqa",
+        "pagedattn-triton,pagedattn-gluon,flashinfer,xqa",
     )
     parser.add_argument("--out", help="results folder (default: benchmarks/results)")
     parser.add_argument(

@@ -15,6 +15,8 @@ timed region (``plan_host_us``).
   ``plan()`` (host work plus a sync) runs outside the timed region and is reported apart.
 - ``pagedattn-triton``: the whole step on the portable family (``backend="triton"``), beside
   ``pagedattn``, which takes the Hopper family where it covers the case.
+- ``pagedattn-gluon``: the whole step on the Hopper family (``backend="gluon"``) with a plan
+  of two programs an SM (its kernel's occupancy), on the cases that family covers.
 - ``xqa``: TensorRT-LLM's XQA decode kernel through FlashInfer
   (``trtllm_batch_decode_with_kv_cache(..., backend="xqa")``): FP8 KV with one per-tensor
   scale each, pages of 16..128 tokens; a page-1024 cache is offered as the same bytes at page
@@ -120,12 +122,34 @@ class PagedAttnProvider(Provider):
         self.tuned = tuned
         self.backend = backend
 
+    def available(self) -> tuple[bool, str]:
+        if self.backend != "gluon":
+            return True, ""
+        reason = pagedattn.api._hopper_reason(torch.device("cuda"))
+        return reason is None, f"the Hopper family needs {reason}"
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        if self.backend != "gluon":
+            return True, ""
+        # What the Hopper family covers (gluon_decode.unsupported) that a case decides.
+        ok = (
+            case.kv_dtype == "fp8"
+            and case.query_len == 1
+            and case.head_dim == 128
+            and case.page_size % 128 == 0
+            and case.num_q_heads // case.num_kv_heads <= 16
+        )
+        return ok, "" if ok else "FP8, query_len 1, head_dim 128, page_size a multiple of 128 only"
+
     def version(self) -> str:
         return pagedattn.__version__
 
     def prepare(self, inputs: Inputs) -> Prepared:
         case = inputs.case
         plan_args = case.plan_kwargs()
+        if self.backend == "gluon" and plan_args["num_programs"] is None:
+            sms = torch.cuda.get_device_properties(inputs.device).multi_processor_count
+            plan_args["num_programs"] = 2 * sms
         if self.tuned:
             plan_args["max_seq_len"] = max(case.seq_lens())
         seq_lens, q, table = inputs.seq_lens, inputs.q, inputs.block_table
@@ -396,6 +420,7 @@ PROVIDERS: dict[str, Provider] = {
         PagedAttnProvider("pagedattn-decode", with_plan=False),
         PagedAttnProvider("pagedattn-tuned", with_plan=True, tuned=True),
         PagedAttnProvider("pagedattn-triton", with_plan=True, backend="triton"),
+        PagedAttnProvider("pagedattn-gluon", with_plan=True, backend="gluon"),
         FlashInferProvider(),
         XQAProvider(),
         ReferenceProvider(),
