@@ -98,11 +98,16 @@ def tracing(buffer: torch.Tensor):
 
 
 BACKENDS = ("auto", "triton", "gluon")
-# What ``backend="auto"`` takes where nothing else is asked for: the portable family, measured
-# faster than the Hopper family on every seed shape tried on the H200 (decode alone, 74-80%
-# of the read ceiling against 68-76% at best; `benchmarks/micro.py gluon`,
-# docs/performance-log.md, "The Hopper family").
-AUTO_FAMILY = "triton"
+# What ``backend="auto"`` takes where nothing else is asked for: the Hopper family on the steps
+# it covers with per-tensor scales, whose plans are then made for its grid
+# (HOPPER_PROGRAMS_PER_SM); the portable family elsewhere. Whole step, query_len 1, the seed
+# grid on the H200 (`pagedattn bench`, pagedattn-gluon against pagedattn): per-tensor 0.957x
+# the portable family's time in geometric mean (0.85-1.04x), per-token 1.011x (kept portable).
+AUTO_FAMILY = "gluon"
+# The Hopper kernel's occupancy: two programs an SM (a load warp and a compute warpgroup each,
+# 128 registers a thread, 107 KB of shared memory).
+HOPPER_PROGRAMS_PER_SM = 2
+HOPPER_MIN_PARTITION = 128  # its tile
 # Inside ``using_backend``: what ``backend="auto"`` prefers.
 _AUTO_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar(
     "pagedattn_backend", default="auto"
@@ -156,18 +161,63 @@ def _hopper_reason(device: torch.device) -> str | None:
     return _hopper_reasons[device]
 
 
+def _preferred_family(backend: str = "auto") -> tuple[str, bool]:
+    """The family ``backend`` prefers ("triton" or "gluon"), and whether only by default (then
+    the Hopper family takes only the steps :func:`_hopper_shape` allows by default)."""
+    _check_backend(backend)
+    if backend == "auto":
+        backend = _AUTO_BACKEND.get()
+        if backend == "auto":
+            return AUTO_FAMILY, True
+    return backend, False
+
+
+def _hopper_shape(device, *, kv_dtype, kv_scale, query_len, head_dim, page_size, group, by_default):
+    """Whether a step of this shape is planned and run on the Hopper family when it is
+    preferred (``by_default``: preferred by ``AUTO_FAMILY``, which takes it only with
+    per-tensor scales); the call's other arguments are judged at decode time."""
+    return (
+        _hopper_reason(device) is None
+        and kv_dtype == torch.float8_e4m3fn
+        and (kv_scale == "per_tensor" or not by_default)
+        and query_len == 1
+        and head_dim == 128
+        and page_size % 128 == 0
+        and group <= 16
+    )
+
+
+def _hopper_plan(device, *, ragged, batch_invariant, **shape) -> bool:
+    """Whether a plan made now for a step of ``shape`` is for the Hopper family (its grid)."""
+    family, by_default = _preferred_family()
+    if family != "gluon" or ragged or batch_invariant:
+        return False
+    return _hopper_shape(device, **shape, by_default=by_default)
+
+
 def _pick_backend(backend, shape, q, plan, *, uses, **call):
     """The family that runs a checked call: "triton" or "gluon". ``uses``: what else the call
     asks for that only the portable family has, as (asked, what) pairs; ``call``: the rest of
     what :func:`pagedattn._kernels.gluon_decode.unsupported` judges."""
-    _check_backend(backend)
     strict = backend == "gluon"
-    if backend == "auto":
-        backend = _AUTO_BACKEND.get()
-        if backend == "auto":
-            backend = AUTO_FAMILY
+    backend, by_default = _preferred_family(backend)
     if backend == "triton":
         return "triton"
+    if by_default and not (
+        _hopper_shape(
+            q.device,
+            kv_dtype=shape.kv_dtype,
+            kv_scale=shape.kv_scale,
+            query_len=shape.query_len,
+            head_dim=shape.head_dim,
+            page_size=shape.page_size,
+            group=shape.num_q_heads // shape.num_kv_heads,
+            by_default=True,
+        )
+        and plan.num_programs
+        == default_num_programs(q.device, plan.num_kv_heads, HOPPER_PROGRAMS_PER_SM)
+    ):
+        return "triton"  # by default only on its steps, with a plan made for its grid
     reason = _hopper_reason(q.device)
     if reason is None:
         reason = next((f"no {what}" for asked, what in uses if asked), None)
@@ -301,7 +351,21 @@ def plan_decode(
     if batch_invariant and partition_size is None:
         # Fixed: neither the table's nor the lengths' choice (both follow the batch).
         partition_size = DEFAULT_PARTITION
-    if num_programs is None:
+    hopper = _hopper_plan(
+        device,
+        ragged=ragged,
+        batch_invariant=batch_invariant,
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
+        query_len=query_len,
+        head_dim=head_dim,
+        page_size=page_size,
+        group=num_q_heads // num_kv_heads,
+    )
+    if num_programs is None and hopper:
+        # The Hopper family's grid; the tuning table's rows are the portable family's.
+        num_programs = default_num_programs(device, num_kv_heads, HOPPER_PROGRAMS_PER_SM)
+    elif num_programs is None:
         multiplier, tuned_partition = None, None
         if max_seq_len is not None:
             multiplier, tuned_partition = lookup_grid(
@@ -331,6 +395,8 @@ def plan_decode(
             max_seq_len=max_seq_len,
             programs_per_head=num_programs // num_kv_heads,
         )
+        if hopper:
+            partition_size = max(partition_size, HOPPER_MIN_PARTITION)
     key = (
         batch,
         query_len,
@@ -623,17 +689,18 @@ def paged_decode(
         query_start_loc=query_start_loc,
     )
     if plan is None:
-        plan = plan_decode(
-            seq_lens,
-            num_q_heads=shape.num_q_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            page_size=shape.page_size,
-            query_len=shape.query_len,
-            kv_dtype=shape.kv_dtype,
-            kv_scale=shape.kv_scale,
-            query_start_loc=query_start_loc,
-        )
+        with using_backend(backend) if backend != "auto" else contextlib.nullcontext():
+            plan = plan_decode(
+                seq_lens,
+                num_q_heads=shape.num_q_heads,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+                page_size=shape.page_size,
+                query_len=shape.query_len,
+                kv_dtype=shape.kv_dtype,
+                kv_scale=shape.kv_scale,
+                query_start_loc=query_start_loc,
+            )
     trace = _TRACE.get()
     family = _pick_backend(
         backend,

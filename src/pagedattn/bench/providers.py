@@ -15,8 +15,8 @@ timed region (``plan_host_us``).
   ``plan()`` (host work plus a sync) runs outside the timed region and is reported apart.
 - ``pagedattn-triton``: the whole step on the portable family (``backend="triton"``), beside
   ``pagedattn``, which takes the Hopper family where it covers the case.
-- ``pagedattn-gluon``: the whole step on the Hopper family (``backend="gluon"``) with a plan
-  of two programs an SM (its kernel's occupancy), on the cases that family covers.
+- ``pagedattn-gluon``: the whole step on the Hopper family (``backend="gluon"``, its plans of
+  two programs an SM), on the cases that family covers.
 - ``xqa``: TensorRT-LLM's XQA decode kernel through FlashInfer
   (``trtllm_batch_decode_with_kv_cache(..., backend="xqa")``): FP8 KV with one per-tensor
   scale each, pages of 16..128 tokens; a page-1024 cache is offered as the same bytes at page
@@ -147,13 +147,12 @@ class PagedAttnProvider(Provider):
     def prepare(self, inputs: Inputs) -> Prepared:
         case = inputs.case
         plan_args = case.plan_kwargs()
-        if self.backend == "gluon" and plan_args["num_programs"] is None:
-            sms = torch.cuda.get_device_properties(inputs.device).multi_processor_count
-            plan_args["num_programs"] = 2 * sms
         if self.tuned:
             plan_args["max_seq_len"] = max(case.seq_lens())
         seq_lens, q, table = inputs.seq_lens, inputs.q, inputs.block_table
-        plan = pagedattn.plan_decode(seq_lens, **plan_args)
+        # Plans made for the family asked for (its grid): pagedattn-gluon's, two programs an SM.
+        with pagedattn.api.using_backend(self.backend):
+            plan = pagedattn.plan_decode(seq_lens, **plan_args)
         out = torch.empty_like(q)
 
         def replan():
