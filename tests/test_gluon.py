@@ -439,3 +439,56 @@ def test_cuda_graph_replay_with_new_lengths(gen, kv_scale):
         rows = [b for b, n in enumerate(lens) if n > 0]
         assert rel_error(out[rows], ref[rows]) < TOL, lens
         assert all(bool((out[b] == 0).all()) for b, n in enumerate(lens) if n == 0)
+
+
+# -- the default choice of family, and its plans (host logic; any machine) --
+
+
+def _choice(monkeypatch, *, kv_scale="per_tensor", preference=None, num_programs=None, **over):
+    """(plan, family) for a small FP8 step as ``backend="auto"`` would plan and run it on a
+    machine where the Hopper family can run (``_hopper_reason`` patched to None)."""
+    from pagedattn import api, checks
+
+    monkeypatch.setattr(api, "_hopper_reason", lambda device: None)
+    shape = dict(_shape(kv_scale=kv_scale), **over)
+    cache, q = random_step([300, 1, 0, 700], **shape, device=DEVICE, generator=None)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    with api.using_backend(preference or "auto"):
+        plan = pagedattn.plan_decode(
+            cache.seq_lens, **shape, num_programs=num_programs, max_seq_len=700
+        )
+        checked = checks.check_decode_args(
+            q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens, plan=plan,
+            sm_scale=None, kv_layout="NHD", sliding_window=None, out=None, **kw,
+        )  # fmt: skip
+        family = api._pick_backend(
+            "auto", checked, q, plan, uses=(), k_cache=cache.k_cache, v_cache=cache.v_cache,
+            kv_layout="NHD", sliding_window=None,
+        )  # fmt: skip
+    return plan, family
+
+
+def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
+    from pagedattn import api
+    from pagedattn.launch import default_num_programs
+
+    hopper_grid = default_num_programs(DEVICE, NUM_KV_HEADS, api.HOPPER_PROGRAMS_PER_SM)
+    plan, family = _choice(monkeypatch)
+    assert family == "gluon" and plan.num_programs == hopper_grid
+    # The length hint alone would give 64-token partitions here; the family's tile is 128.
+    assert plan.partition_size >= api.HOPPER_MIN_PARTITION
+    # Per-token scales, other shapes, or the portable preference: the portable grid and family.
+    for kw in (
+        dict(kv_scale="per_token"),
+        dict(preference="triton"),
+        dict(head_dim=64),
+        dict(page_size=16),
+    ):
+        plan, family = _choice(monkeypatch, **kw)
+        assert family == "triton" and plan.num_programs != hopper_grid, kw
+    # A plan given another grid keeps the portable family by default ...
+    plan, family = _choice(monkeypatch, num_programs=hopper_grid + NUM_KV_HEADS)
+    assert family == "triton"
+    # ... while the Hopper preference takes every step the family covers, on its grid.
+    plan, family = _choice(monkeypatch, kv_scale="per_token", preference="gluon")
+    assert family == "gluon" and plan.num_programs == hopper_grid

@@ -274,11 +274,15 @@ def plan_decode(
     kv_scale : {None, "per_tensor", "per_token"}
         Scale mode of an FP8 cache (None for bf16/fp16).
     num_programs : int, optional
-        Persistent grid size, a multiple of ``num_kv_heads``. Default: SMs x the multiplier of
-        the tuning table's row for this device and shape when ``max_seq_len`` is given (see
-        :mod:`pagedattn.tuning`), else four programs per SM when ``query_len x group <= 16``
-        and two otherwise (measured best on the H200, see docs/performance-log.md); rounded up
-        to a multiple of ``num_kv_heads``.
+        Persistent grid size, a multiple of ``num_kv_heads``. Default: where the step will run
+        on the Hopper family (``backend="auto"`` on sm_90 with FP8 per-tensor scales,
+        query_len 1, head_dim 128, pages of a multiple of 128, up to 16 query heads per kv
+        head; or any FP8 step it covers inside ``using_backend("gluon")``), two programs per
+        SM (its kernel's occupancy) and partitions of at least 128 tokens; else SMs x the
+        multiplier of the tuning table's row for this device and shape when ``max_seq_len`` is
+        given (see :mod:`pagedattn.tuning`), else four programs per SM when ``query_len x
+        group <= 16`` and two otherwise (measured best on the H200, see
+        docs/performance-log.md); rounded up to a multiple of ``num_kv_heads``.
     partition_size : int, optional
         Tokens per partition (the unit of load balance), a power of two >= 16. Default: the
         tuning table's; else, with ``max_seq_len``, 256 or, when that shows 256-token
@@ -289,7 +293,9 @@ def plan_decode(
         :func:`pagedattn.plan.auto_partition_size` states the rule).
     reuse : DecodePlan, optional
         A plan made earlier for the same sizes whose buffers are refilled instead of allocating
-        new ones (what a serving loop does every step).
+        new ones (what a serving loop does every step). Defaults are worked out again, so a
+        refill under another ``using_backend`` preference than the plan's may ask for another
+        grid and is refused (pass ``num_programs`` to keep one).
     max_seq_len : int, optional
         A host-side bound on ``seq_lens`` (engines know it without reading the GPU). It only
         selects the tuning table's context bucket for the grid size and the default partition
