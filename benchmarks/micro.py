@@ -4,7 +4,7 @@
         [--windows 16,32] [--warps 1,4] [--locals 1,4]
     python benchmarks/micro.py reduce [--shapes 64x8192x1,...] [--tiles auto,16x32x8x4,...]
     python benchmarks/micro.py decode [--shapes 128x8192x1,...] [--mults 1,2,4] ...
-    python benchmarks/micro.py gluon [--shapes 128x8192x1,...] [--configs 264:2:0,264:2:128:24,...]
+    python benchmarks/micro.py gluon [--shapes 128x8192x1,...] [--configs 264:2:128,...]
     python benchmarks/micro.py features [--shapes 64x8192,...] [--query-lens 1,4]
 
 Shapes are ``batch x context x query_len`` of the seed workload (16/1 heads, head_dim 128, FP8
@@ -245,9 +245,10 @@ def decode(args: argparse.Namespace) -> None:
 def gluon(args: argparse.Namespace) -> None:
     """The Hopper family against the portable one: ``paged_decode`` with a precomputed plan
     (the portable family at its default grid and partition, the Hopper family at each
-    ``programs:stages:maxnreg[:load_regs]`` config with ``--partition``; with ``load_regs``
-    the warp-specialised kernel), µs, GB/s, % of the read ceiling
-    measured in the same run and the relative error against the float64 reference."""
+    ``programs:stages:maxnreg[:load_regs]`` config with ``--partition``; ``maxnreg`` 0: no
+    cap; ``load_regs`` the load warp's registers, default the kernel's), µs, GB/s, % of the
+    read ceiling measured in the same run and the relative error against the float64
+    reference."""
     from pagedattn._kernels import gluon_decode
 
     device = torch.device("cuda")
@@ -263,7 +264,8 @@ def gluon(args: argparse.Namespace) -> None:
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         ref = paged_decode_torch(*a, **kw)
         configs = [("triton", None, None, None, None)] + [
-            ("gluon", *c, *(None,) * (4 - len(c))) for c in args.configs
+            ("gluon", *c, *(gluon_decode.DEFAULT_LOAD_REGS,) * (4 - len(c)))
+            for c in args.configs
         ]
         for backend, programs, stages, maxnreg, load_regs in configs:
             if backend == "triton":
@@ -282,7 +284,7 @@ def gluon(args: argparse.Namespace) -> None:
                     load_regs=load_regs,
                     **kw,
                 )
-            ws = f":{load_regs}" if load_regs else ""
+            ws = f":{load_regs}" if backend == "gluon" else ""
             label = f"{case.describe()} {backend} {programs}:{stages}:{maxnreg}{ws}"
             try:
                 us = time_graph([step] * GRAPH_CALLS).us_p50
@@ -478,9 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--configs",
         type=lambda text: [tuple(int(x) for x in c.split(":")) for c in text.split(",")],
-        default="264:2:0,396:1:168,528:1:128",
+        default="264:2:128,264:1:128,132:4:0",
         help="Hopper programs:stages:maxnreg[:load_regs] (0: no register cap; load_regs: the "
-        "warp-specialised kernel), e.g. 264:2:0,264:2:128:24",
+        "load warp's registers, default the kernel's), e.g. 264:2:128,264:2:128:40",
     )
     p.add_argument(
         "--half",

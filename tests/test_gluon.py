@@ -40,16 +40,9 @@ needs_gluon_build = pytest.mark.skipif(
 
 # H200: 227 KB of shared memory per block at most.
 SHARED_LIMIT = 227 * 1024
-# The two kernels: one warpgroup doing everything (one stage), and the warp-specialised one
-# (the default: a load warp, two stages, two programs an SM under a cap of 128 registers).
-KERNELS = {
-    "one-warpgroup": dict(stages=1, maxnreg=None, load_regs=None),
-    "warp-specialised": {},
-}
 VARIANTS = [
-    dict(group=g, scale_mode=m, write_lse=lse, **tuning)
+    dict(group=g, scale_mode=m, write_lse=lse)
     for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
-    for tuning in KERNELS.values()
 ]
 
 _BUILD = r"""
@@ -99,12 +92,7 @@ def builds():
 @needs_gluon_build
 @pytest.mark.xdist_group("gluon_build")  # one worker builds the variants (a module fixture)
 @pytest.mark.parametrize(
-    "variant",
-    VARIANTS,
-    ids=lambda v: (
-        "g{group}-s{scale_mode}-lse{write_lse}".format(**v)
-        + ("-one-warpgroup" if "load_regs" in v else "")
-    ),
+    "variant", VARIANTS, ids=lambda v: "g{group}-s{scale_mode}-lse{write_lse}".format(**v)
 )
 def test_sm90a_build(builds, variant):
     r = builds[json.dumps(variant, sort_keys=True)]
@@ -145,12 +133,10 @@ def _decode(
     partition_size=None,
     gen=None,
     edit=None,
-    tuning=None,
 ):
     """Builds a cache for ``lens`` (invalid ones as empty sequences), lets ``edit`` spoil it
     (returns the lengths passed to the kernel and those planned), decodes into poisoned
-    outputs with the kernel ``tuning`` picks (a value of ``KERNELS``); returns (out, lse,
-    faults, q, cache, seq_lens)."""
+    outputs; returns (out, lse, faults, q, cache, seq_lens)."""
     shape = _shape(group, kv_scale)
     cache, q = random_step(
         [max(n, 0) for n in lens],
@@ -186,7 +172,6 @@ def _decode(
         kv_layout=kv_layout,
         out=out,
         lse=lse,
-        **(tuning or {}),
     )
     torch.cuda.synchronize()
     return out, lse, fault_codes(plan), q, cache, seq_lens
@@ -209,19 +194,14 @@ def _check(out, lse, q, cache, lens, valid):
             assert bool((out[b] == 0).all()) and bool((lse[b] == float("-inf")).all())
 
 
-@pytest.fixture(params=list(KERNELS.values()), ids=list(KERNELS))
-def tuning(request):
-    return request.param
-
-
 @requires_gpu
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("kv_scale", ["per_tensor", "per_token"])
 @pytest.mark.parametrize("group", [1, 8, 16])
-def test_matches_reference(gen, tuning, group, kv_scale, kv_layout):
+def test_matches_reference(gen, group, kv_scale, kv_layout):
     lens = [1, 127, 129, 1000, 4097, 0, 256]
     out, lse, faults, q, cache, _ = _decode(
-        lens, group=group, kv_layout=kv_layout, kv_scale=kv_scale, gen=gen, tuning=tuning
+        lens, group=group, kv_layout=kv_layout, kv_scale=kv_scale, gen=gen
     )
     assert faults == {}
     _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
@@ -230,23 +210,19 @@ def test_matches_reference(gen, tuning, group, kv_scale, kv_layout):
 @requires_gpu
 @pytest.mark.parametrize("num_programs", [2, 6, 16])
 @pytest.mark.parametrize("partition_size", [128, 256, 512])
-def test_split_sequences_through_the_reducer(gen, tuning, num_programs, partition_size):
+def test_split_sequences_through_the_reducer(gen, num_programs, partition_size):
     lens = [4097, 129, 1000, 0, 1, 3000]
     out, lse, faults, q, cache, _ = _decode(
-        lens,
-        num_programs=num_programs,
-        partition_size=partition_size,
-        gen=gen,
-        tuning=tuning,
+        lens, num_programs=num_programs, partition_size=partition_size, gen=gen
     )
     assert faults == {}
     _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
 
 
 @requires_gpu
-def test_all_padding_slots(gen, tuning):
+def test_all_padding_slots(gen):
     lens = [0, 0, 0]
-    out, lse, faults, *_ = _decode(lens, gen=gen, tuning=tuning)
+    out, lse, faults, *_ = _decode(lens, gen=gen)
     assert faults == {}
     assert bool((out == 0).all()) and bool((lse == float("-inf")).all())
 
@@ -290,16 +266,11 @@ FAULTS = {
 @requires_gpu
 @pytest.mark.parametrize("num_programs", [None, 4])
 @pytest.mark.parametrize("kind", sorted(FAULTS))
-def test_each_fault_spoils_its_sequence_only(gen, tuning, kind, num_programs):
+def test_each_fault_spoils_its_sequence_only(gen, kind, num_programs):
     edit, code = FAULTS[kind]
     lens = [1000, 1500, 0, 129]
     out, lse, faults, q, cache, seq_lens = _decode(
-        lens,
-        edit=edit,
-        num_programs=num_programs,
-        partition_size=256,
-        gen=gen,
-        tuning=tuning,
+        lens, edit=edit, num_programs=num_programs, partition_size=256, gen=gen
     )
     assert set(faults) == {1} and faults[1] & code, faults
     assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all())
@@ -307,13 +278,13 @@ def test_each_fault_spoils_its_sequence_only(gen, tuning, kind, num_programs):
 
 
 @requires_gpu
-def test_cache_with_no_pages(gen, tuning):
+def test_cache_with_no_pages(gen):
     def empty(cache, seq_lens, plan_lens):
         cache.k_cache = cache.k_cache[:0]
         cache.v_cache = cache.v_cache[:0]
         return seq_lens, plan_lens
 
-    out, lse, faults, *_ = _decode([300, 0], edit=empty, gen=gen, tuning=tuning)
+    out, lse, faults, *_ = _decode([300, 0], edit=empty, gen=gen)
     assert faults == {0: records.FAULT_PAGE_ID.value}
     assert bool(out[0].isnan().all()) and bool(lse[0].isnan().all())
     assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())

@@ -1,23 +1,24 @@
 """Persistent paged decode kernel for Hopper (sm_90a) in Triton's Gluon dialect.
 
-The same work list, robustness checks and outputs as the portable kernel (``decode.py``);
-this first version covers FP8 e4m3 KV with per-tensor or per-token scales, a bf16 query,
-query_len 1, 1..16 query heads per kv head, head_dim 128, and pages holding whole 128-token
-tiles (page_size a multiple of 128, partitions of at least 128 tokens), NHD or HND.
+The same work list, robustness checks and outputs as the portable kernel (``decode.py``); it
+covers FP8 e4m3 KV with per-tensor or per-token scales, a bf16 query, query_len 1, 1..16
+query heads per kv head, head_dim 128, and pages holding whole 128-token tiles (page_size a
+multiple of 128, partitions of at least 128 tokens), NHD or HND.
 
-One warpgroup per program, one function per role, joined by mbarriers:
+Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
 
-- load (``_issue_tile``): a tile's K and V, each one bulk tensor copy of 128 tokens x 128
-  dims out of one page, into ``STAGES`` shared-memory slots; the copy of tile ``i + STAGES``
-  is issued as soon as tile ``i`` frees its slot.
-- scores (``_scores``): S^T = K Q^T on FP8 wgmma, the keys as stored and the query as two
-  e4m3 terms (hi + lo) per row, the V chunk conversion overlapping the MMA.
-- softmax (``_softmax``): online softmax in log2 units over the tile's tokens (axis 0 of
-  S^T), row sums kept per thread and reduced once per work.
-- values (``_values``): V converted to fp16 through shared memory ``HALF`` tokens at a
-  time, O^T = V^T P^T on fp16 wgmma.
-- epilogue (``_epilogue``): fault bits, then ``out`` rows and LSE (natural log) or the
-  work's partial slot (float32 rows, LSE in log2 units) for the shared reducer.
+- the load warp (``_load_partition``) walks the program's works and tiles and copies each
+  tile's K and V (one bulk tensor copy of 128 tokens x 128 dims out of one page each) into
+  the next of ``STAGES`` shared-memory slots once the compute warpgroup has handed it back,
+  across work boundaries;
+- the compute warpgroup (``_compute_partition``), per work: the query as two e4m3 terms in
+  shared memory (``_load_query``); per tile: scores (``_scores``: S^T = K Q^T on FP8 wgmma,
+  the keys as stored), online softmax in log2 units over the tile's tokens (``_softmax``,
+  axis 0 of S^T; row sums kept per thread, reduced once a work), values (``_values``: V to
+  fp16 through shared memory ``HALF`` tokens at a time, O^T = V^T P^T on fp16 wgmma; the
+  slot handed back once V is read); then the epilogue (``_epilogue``: fault bits, then
+  ``out`` rows and LSE (natural log) or the work's partial slot (float32 rows, LSE in log2
+  units) for the shared reducer).
 
 Rows of S^T's N dimension are the kv head's query heads, padded to ``R`` (8 or 16).
 """
@@ -52,10 +53,10 @@ HEAD_DIM = 128
 MAX_GROUP = 16
 # Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
 SCALE_TENSOR, SCALE_TOKEN = 1, 2
-# Defaults: the warp-specialised kernel, two stages, a cap of 128 registers a thread (two
-# programs an SM; the compute warpgroup gets 232, the load warp 24). 128 x 8192 per-tensor,
-# decode + reduce: 78.0 µs against 86.2 for the one-warpgroup kernel at its best and 81.0 for
-# the portable family (`benchmarks/micro.py gluon`, H200).
+# Defaults: two stages, a cap of 128 registers a thread (two programs an SM; the compute
+# warpgroup gets 232, the load warp 24). 128 x 8192 per-tensor, decode + reduce: 78.0 µs
+# against 81.0 for the portable family and 86.2 for the first form of this kernel, one
+# warpgroup doing the copies too (`benchmarks/micro.py gluon`, H200).
 DEFAULT_STAGES = 2
 DEFAULT_MAXNREG = 128
 DEFAULT_LOAD_REGS = 24
@@ -63,12 +64,10 @@ NUM_WARPS = 4
 LN2 = gl.constexpr(0.6931471805599453)
 
 
-def default_half(scale_mode: int, load_regs: int | None) -> int:
-    """Tokens of V converted to fp16 at a time: a whole tile in the warp-specialised kernel
-    (64 with per-token scales, where a whole tile spills), 32 in the one-warpgroup kernel
-    (its four programs an SM need the smaller buffer)."""
-    if load_regs is None:
-        return 32
+def default_half(scale_mode: int) -> int:
+    """Tokens of V converted to fp16 at a time: a whole tile (64 with per-token scales, where
+    a whole tile spills). 128 x 8192 per-tensor, decode + reduce: 85.7 / 81.9 / 78.0 µs at
+    32 / 64 / 128 (`benchmarks/micro.py gluon --half`, H200)."""
     return BLOCK_N if scale_mode == SCALE_TENSOR else 64
 
 
@@ -122,40 +121,6 @@ def _checked_page(bt_row, stride_bt_col, start, num_pages, pred, PAGE_SIZE: gl.c
     page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col, mask=pred, other=0)
     bad = (page < 0) | (page >= num_pages)
     return gl.where(bad, 0, page), bad & pred
-
-
-@gluon.jit
-def _issue_tile(
-    k_desc,
-    v_desc,
-    k_s,
-    v_s,
-    kbar,
-    vbar,
-    slot,
-    bt_row,
-    stride_bt_col,
-    num_pages,
-    start,
-    kv_head,
-    page_fault,
-    pred,
-    PAGE_SIZE: gl.constexpr,
-):
-    """Load role: K and V of the tile at token ``start`` into ``slot`` when ``pred``. A page id
-    outside [0, num_pages) is read as page 0 and flagged."""
-    page, bad = _checked_page(bt_row, stride_bt_col, start, num_pages, pred, PAGE_SIZE)
-    page_fault = page_fault | bad
-    in_page = start % PAGE_SIZE
-    mbarrier.expect(kbar.index(slot), k_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(
-        k_desc, [page, in_page, kv_head, 0], kbar.index(slot), k_s.index(slot), pred=pred
-    )
-    mbarrier.expect(vbar.index(slot), v_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(
-        v_desc, [page, in_page, kv_head, 0], vbar.index(slot), v_s.index(slot), pred=pred
-    )
-    return page_fault
 
 
 @gluon.jit
@@ -304,43 +269,24 @@ def _values(
     v_tile,
     v16_s,
     p_s,
-    v_desc,
-    v_s,
-    vbar,
+    empty,
     slot,
-    refill,
-    refill_page,
-    refill_start,
-    kv_head,
     start,
     token_end,
     BLOCK: gl.constexpr,
     HALF: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
     blk: gl.constexpr,
-    RELEASE: gl.constexpr = False,
 ):
     """Values role: O^T += V^T P^T, ``HALF`` tokens of V at a time (chunk 0 is already in
-    ``v16_s``). Once every warp has read the V slot, it is refilled, or (``RELEASE``, the
-    warp-specialised kernel) ``vbar[slot]`` is arrived at to hand it back to the load warp."""
+    ``v16_s``); once every warp has read the V slot, ``empty[slot]`` hands it back to the
+    load warp."""
     for h in gl.static_range(BLOCK // HALF):
         if h > 0:
             _convert_v(v_tile, v16_s, h, start, token_end, HALF, blk)
         if h == BLOCK // HALF - 1:
-            if RELEASE:
-                fence_async_shared()  # this warpgroup's reads before the next bulk copy
-                gl.thread_barrier()
-                mbarrier.arrive(vbar.index(slot))
-            else:
-                gl.thread_barrier()
-                mbarrier.expect(vbar.index(slot), v_desc.block_type.nbytes, pred=refill)
-                tma.async_copy_global_to_shared(
-                    v_desc,
-                    [refill_page, refill_start % PAGE_SIZE, kv_head, 0],
-                    vbar.index(slot),
-                    v_s.index(slot),
-                    pred=refill,
-                )
+            fence_async_shared()  # this warpgroup's reads before the next bulk copy
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(slot))
         fence_async_shared()
         gl.thread_barrier()
         o = warpgroup_mma(
@@ -410,257 +356,7 @@ def _epilogue(
 
 
 @gluon.jit
-def gluon_decode_kernel(
-    q_ptr,  # [batch, num_q_heads, head_dim] bf16 (query_len 1), unit stride on head_dim
-    stride_q_tok,
-    stride_q_head,
-    k_desc,  # bulk-copy descriptors over [num_pages, page_size, num_kv_heads, head_dim]
-    v_desc,
-    k_scale_ptr,  # float32: [1] per tensor, or per token with the strides below
-    stride_ks_page,
-    stride_ks_slot,
-    stride_ks_head,
-    v_scale_ptr,
-    stride_vs_page,
-    stride_vs_slot,
-    stride_vs_head,
-    block_table_ptr,  # [batch, max_pages] int32, any values
-    stride_bt,
-    stride_bt_col,
-    num_pages,  # page ids outside [0, num_pages) are faults
-    capacity,  # tokens the block table's columns hold
-    seq_lens_ptr,  # [batch] int32, any values
-    work_indptr_ptr,  # plan.metadata (records.py)
-    works_offset,
-    planned_lens_offset,
-    faults_offset,
-    out_ptr,  # [batch, num_q_heads, head_dim]
-    stride_o_tok,
-    stride_o_head,
-    lse_ptr,  # [batch, num_q_heads] float32, natural log (WRITE_LSE)
-    stride_lse_tok,
-    partial_out_ptr,  # plan.partials: [max_partials, GROUP, HEAD_DIM] float32, then ...
-    lse_offset,  # ... the partial LSEs [max_partials, GROUP] (log2 units)
-    qk_scale,  # sm_scale * log2(e)
-    GROUP: gl.constexpr,
-    R: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
-    SCALE_MODE: gl.constexpr,
-    WRITE_LSE: gl.constexpr,
-    STAGES: gl.constexpr,
-    HALF: gl.constexpr,
-):
-    BLOCK: gl.constexpr = 128
-    D: gl.constexpr = 128
-    # -- layouts, declared once --
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 32]
-    )
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16]
-    )
-    blk: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, BLOCK], gl.float16)
-    v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], gl.float16)
-    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float8e4nv)
-
-    # -- shared memory: K/V slots as the copies write them ([1, BLOCK, 1, D] boxes) --
-    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], k_desc.layout)
-    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], v_desc.layout)
-    k2 = k_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
-    v2 = v_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
-    v16_s = gl.allocate_shared_memory(gl.float16, [HALF, D], v16_sl)
-    p_s = gl.allocate_shared_memory(gl.float16, [R, BLOCK], p_sl)
-    qhi_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
-    qlo_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
-    kbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(kbar.index(st), count=1)
-        mbarrier.init(vbar.index(st), count=1)
-    fence_async_shared()
-
-    works_ptr = work_indptr_ptr + works_offset
-    planned_lens_ptr = work_indptr_ptr + planned_lens_offset
-    faults_ptr = work_indptr_ptr + faults_offset
-    partial_lse_ptr = partial_out_ptr + lse_offset
-    if SCALE_MODE == 1:
-        k_scale = gl.load(k_scale_ptr)
-        v_scale = gl.load(v_scale_ptr)
-    else:
-        k_scale = 1.0
-        v_scale = 1.0
-    offs_s = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_l))
-
-    pid = gl.program_id(0)
-    work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
-    work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
-    it = 0  # tiles consumed by this program: each slot's barrier phase follows from it
-    for w in range(work_begin, work_end):
-        seq, kv_head, token_start, token_end, slot, fault, invalid, n_tiles = _work_bounds(
-            works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity, BLOCK
-        )
-        bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-        page_fault = n_tiles < 0  # False
-
-        # -- the work's first tiles in flight while its query is prepared --
-        for st in gl.static_range(STAGES):
-            page_fault = _issue_tile(
-                k_desc,
-                v_desc,
-                k_s,
-                v_s,
-                kbar,
-                vbar,
-                (it + st) % STAGES,
-                bt_row,
-                stride_bt_col,
-                num_pages,
-                token_start + st * BLOCK,
-                kv_head,
-                page_fault,
-                st < n_tiles,
-                PAGE_SIZE,
-            )
-        q_scale = _load_query(
-            q_ptr,
-            stride_q_tok,
-            stride_q_head,
-            seq,
-            kv_head,
-            qhi_s,
-            qlo_s,
-            GROUP,
-            R,
-            D,
-            blk,
-        )
-        col_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), gl.SliceLayout(0, s_l))
-
-        m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
-        l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
-        o = gl.zeros([D, R], gl.float32, layout=o_l)
-        v_norm = 1.0  # per-token V scales: the accumulator's unit
-        for i in range(n_tiles):
-            g = it + i
-            buf = g % STAGES
-            ph = (g // STAGES) & 1
-            start = token_start + i * BLOCK
-            tok = start + offs_s
-            if SCALE_MODE == 2:
-                # Per-token scales of the tile (0 past the work's end), issued before the
-                # waits; the page id is looked up again (one cached load).
-                page, _ = _checked_page(bt_row, stride_bt_col, start, num_pages, True, PAGE_SIZE)
-                ks, vs = _token_scales(
-                    k_scale_ptr,
-                    stride_ks_page,
-                    stride_ks_slot,
-                    stride_ks_head,
-                    v_scale_ptr,
-                    stride_vs_page,
-                    stride_vs_slot,
-                    stride_vs_head,
-                    page,
-                    start,
-                    kv_head,
-                    tok < token_end,
-                    offs_s,
-                    PAGE_SIZE,
-                )
-            else:
-                ks = col_scale
-                vs = col_scale
-            mbarrier.wait(kbar.index(buf), ph)
-            s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l)
-            # While the tensor cores work: the tile's first V chunk to fp16.
-            mbarrier.wait(vbar.index(buf), ph)
-            _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
-            # The tile that takes this slot next: its page id, looked up now.
-            nxt = i + STAGES
-            refill = nxt < n_tiles
-            nxt_start = token_start + nxt * BLOCK
-            nxt_page, bad = _checked_page(
-                bt_row, stride_bt_col, nxt_start, num_pages, refill, PAGE_SIZE
-            )
-            page_fault = page_fault | bad
-            s = warpgroup_mma_wait(0, deps=[s])
-            # The K slot is free once the warpgroup's Q K^T is done.
-            mbarrier.expect(kbar.index(buf), k_desc.block_type.nbytes, pred=refill)
-            tma.async_copy_global_to_shared(
-                k_desc,
-                [nxt_page, nxt_start % PAGE_SIZE, kv_head, 0],
-                kbar.index(buf),
-                k_s.index(buf),
-                pred=refill,
-            )
-            m_i, l_acc, p, alpha = _softmax(
-                s, m_i, l_acc, col_scale, tok, token_end, ks, SCALE_MODE
-            )
-            o, v_norm = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, o_l)
-            o = _values(
-                o,
-                v2.index(buf),
-                v16_s,
-                p_s,
-                v_desc,
-                v_s,
-                vbar,
-                buf,
-                refill,
-                nxt_page,
-                nxt_start,
-                kv_head,
-                start,
-                token_end,
-                BLOCK,
-                HALF,
-                PAGE_SIZE,
-                blk,
-            )
-        it += n_tiles
-
-        if SCALE_MODE == 2:
-            v_unit = v_norm
-        else:
-            v_unit = v_scale
-        _epilogue(
-            o,
-            m_i,
-            l_acc,
-            v_unit,
-            fault,
-            invalid,
-            page_fault,
-            seq,
-            kv_head,
-            slot,
-            faults_ptr,
-            out_ptr,
-            stride_o_tok,
-            stride_o_head,
-            lse_ptr,
-            stride_lse_tok,
-            partial_out_ptr,
-            partial_lse_ptr,
-            GROUP,
-            R,
-            D,
-            WRITE_LSE,
-            s_l,
-            o_l,
-        )
-
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(kbar.index(st))
-        mbarrier.invalidate(vbar.index(st))
-
-
-# -- the warp-specialised kernel: a load warp and a compute warpgroup --
-
-
-@gluon.jit
-def _ws_load(
+def _load_partition(
     k_desc,
     v_desc,
     k_s,
@@ -715,7 +411,7 @@ def _ws_load(
 
 
 @gluon.jit
-def _ws_compute(
+def _compute_partition(
     q_ptr,
     stride_q_tok,
     stride_q_head,
@@ -764,7 +460,7 @@ def _ws_compute(
 ):
     """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
     P V out of the slot the load warp filled, handing the slot back after V is read; then
-    the epilogue. The same roles as ``gluon_decode_kernel`` without the copies."""
+    the epilogue."""
     BLOCK: gl.constexpr = 128
     D: gl.constexpr = 128
     s_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -848,25 +544,7 @@ def _ws_compute(
             )
             o, v_norm = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, o_l)
             o = _values(
-                o,
-                v2.index(buf),
-                v16_s,
-                p_s,
-                None,
-                None,
-                empty,
-                buf,
-                False,
-                0,
-                0,
-                kv_head,
-                start,
-                token_end,
-                BLOCK,
-                HALF,
-                PAGE_SIZE,
-                blk,
-                True,
+                o, v2.index(buf), v16_s, p_s, empty, buf, start, token_end, BLOCK, HALF, blk
             )
             page_fault = page_fault | bad
         it += n_tiles
@@ -903,13 +581,13 @@ def _ws_compute(
 
 
 @gluon.jit
-def gluon_ws_decode_kernel(
-    q_ptr,
+def gluon_decode_kernel(
+    q_ptr,  # [batch, num_q_heads, head_dim] bf16 (query_len 1), unit stride on head_dim
     stride_q_tok,
     stride_q_head,
-    k_desc,
+    k_desc,  # bulk-copy descriptors over [num_pages, page_size, num_kv_heads, head_dim]
     v_desc,
-    k_scale_ptr,
+    k_scale_ptr,  # float32: [1] per tensor, or per token with the strides below
     stride_ks_page,
     stride_ks_slot,
     stride_ks_head,
@@ -944,9 +622,8 @@ def gluon_ws_decode_kernel(
     HALF: gl.constexpr,
     LOAD_REGS: gl.constexpr,
 ):
-    """``gluon_decode_kernel``'s arguments and results, with the copies in a load warp of
-    its own (``LOAD_REGS`` registers a thread) ahead of the compute warpgroup by up to
-    ``STAGES`` tiles, across works."""
+    """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
+    thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works."""
     BLOCK: gl.constexpr = 128
     D: gl.constexpr = 128
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
@@ -972,7 +649,7 @@ def gluon_ws_decode_kernel(
     gl.warp_specialize(
         [
             (
-                _ws_compute,
+                _compute_partition,
                 (
                     q_ptr,
                     stride_q_tok,
@@ -1022,7 +699,7 @@ def gluon_ws_decode_kernel(
                 ),
             ),
             (
-                _ws_load,
+                _load_partition,
                 (
                     k_desc,
                     v_desc,
@@ -1068,7 +745,7 @@ def kv_block_layout():
 _ALIGNED_INTS = ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_lse_tok")
 
 
-def _signature(group, page_size, scale_mode, write_lse, stages, half, load_regs=None):
+def _signature(group, page_size, scale_mode, write_lse, stages, half, load_regs):
     """Argument types, constexprs and alignment attributes of one variant, as a launch with
     contiguous q, out and block table specialises them, for compiling without a GPU."""
     desc = f"tensordesc<fp8e4nv[1, {BLOCK_N}, 1, {HEAD_DIM}],{kv_block_layout()!r}>"
@@ -1094,14 +771,11 @@ def _signature(group, page_size, scale_mode, write_lse, stages, half, load_regs=
         "WRITE_LSE": write_lse,
         "STAGES": stages,
         "HALF": half,
+        "LOAD_REGS": load_regs,
         "stride_bt_col": 1,  # a launch specialises ints equal to 1 as constants
     }
-    kernel = gluon_decode_kernel
-    if load_regs is not None:
-        kernel = gluon_ws_decode_kernel
-        constexprs["LOAD_REGS"] = load_regs
     signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
+    for i, name in enumerate(gluon_decode_kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
@@ -1120,21 +794,22 @@ def compile_sm90a(
     stages: int = DEFAULT_STAGES,
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
-    load_regs: int | None = DEFAULT_LOAD_REGS,
+    load_regs: int = DEFAULT_LOAD_REGS,
 ):
     """Compiles one variant for sm_90a without a GPU (Triton's bundled ptxas); returns the
     compiled kernel (``asm`` holds ``ptx`` and ``cubin``, ``metadata.shared`` the bytes of
-    shared memory). ``load_regs``: the warp-specialised kernel, its load warp's registers; None:
-    the one-warpgroup kernel. ``half`` None: :func:`default_half`."""
+    shared memory). ``load_regs``: the load warp's registers a thread; ``half`` None:
+    :func:`default_half`."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    half = half or default_half(scale_mode, load_regs)
+    half = half or default_half(scale_mode)
     signature, constexprs, attrs = _signature(
         group, page_size, scale_mode, write_lse, stages, half, load_regs
     )
-    kernel = gluon_decode_kernel if load_regs is None else gluon_ws_decode_kernel
-    source = GluonASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = GluonASTSource(
+        gluon_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs
+    )
     return triton.compile(
         source,
         target=GPUTarget("cuda", 90, 32),
@@ -1212,18 +887,17 @@ def gluon_paged_decode(
     stages: int = DEFAULT_STAGES,
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
-    load_regs: int | None = DEFAULT_LOAD_REGS,
+    load_regs: int = DEFAULT_LOAD_REGS,
 ):
     """Decode with the Hopper kernel, then the shared split reducer; the arguments mean what
     they mean for :func:`pagedattn.paged_decode` (``lse``: a float32
     ``[batch, num_q_heads]`` tensor to fill, natural log, or None). Returns ``out``.
 
-    Covers what :func:`unsupported` accepts; anything else raises ``ValueError``. By default
-    the warp-specialised kernel (``load_regs`` registers a thread in its load warp, ``maxnreg``
-    over both warpgroups: two programs fit on an SM); ``load_regs=None, maxnreg=None,
-    stages=1`` the one-warpgroup kernel (176-205 registers a thread, CPU build for sm_90a).
-    ``half`` None: :func:`default_half`. Plans for it are best made with two programs an SM
-    (``num_programs``)."""
+    Covers what :func:`unsupported` accepts; anything else raises ``ValueError``. Tuning:
+    ``stages`` K/V slots, ``half`` tokens of V converted at a time (None:
+    :func:`default_half`), ``maxnreg`` registers a thread over both warpgroups (128: two
+    programs fit on an SM), ``load_regs`` of them in the load warp. Plans for it are best made
+    with two programs an SM (what ``plan_decode`` makes where the step runs on this family)."""
     from .. import checks
     from ..api import _run_checked
 
@@ -1264,24 +938,20 @@ def launch(
     stages: int = DEFAULT_STAGES,
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
-    load_regs: int | None = DEFAULT_LOAD_REGS,
+    load_regs: int = DEFAULT_LOAD_REGS,
     reduce_config=None,
 ):
     """The decode kernel and the shared reducer on checked, covered arguments (``maxnreg``:
-    a register cap a thread, for sweeps; ``load_regs``: the warp-specialised kernel, with
-    that many registers a thread in its load warp; its compute warpgroup gets what
-    ``maxnreg`` leaves over two warpgroups)."""
+    the register cap a thread over both warpgroups; ``load_regs`` of them in the load warp,
+    the compute warpgroup gets the rest)."""
     if shape.batch == 0:
         return
     group = shape.num_q_heads // shape.num_kv_heads
     if q.stride(2) != 1:
         q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
     scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
-    half = half or default_half(scale_mode, load_regs)
-    kernel, extra = gluon_decode_kernel, {}
-    if load_regs is not None:
-        kernel, extra = gluon_ws_decode_kernel, dict(LOAD_REGS=load_regs)
-    kernel[(plan.num_programs,)](
+    half = half or default_half(scale_mode)
+    gluon_decode_kernel[(plan.num_programs,)](
         q,
         q.stride(0),
         q.stride(1),
@@ -1315,7 +985,7 @@ def launch(
         WRITE_LSE=lse is not None,
         STAGES=stages,
         HALF=half,
-        **extra,
+        LOAD_REGS=load_regs,
         num_warps=NUM_WARPS,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
