@@ -387,6 +387,24 @@ def test_plan_decode_rejects_reuse_of_other_sizes(field, value, wanted, held):
         pagedattn.plan_decode(_seq_lens(), **_plan_kwargs(), reuse=old)
 
 
+def test_plan_decode_refill_keeps_the_plans_grid_and_partition():
+    kwargs = _plan_kwargs(num_programs=None, partition_size=None)
+    # A short max_seq_len picks a small partition; a longer one would pick another.
+    old = pagedattn.plan_decode(_seq_lens(), **kwargs, max_seq_len=40)
+    grid, partition = old.num_programs, old.partition_size
+    assert partition is not None
+    fresh = pagedattn.plan_decode(_seq_lens(), **kwargs, max_seq_len=4000)
+    assert fresh.partition_size != partition  # what a new plan would take now
+    again = pagedattn.plan_decode(_seq_lens(), **kwargs, max_seq_len=4000, reuse=old)
+    assert again is old and (again.num_programs, again.partition_size) == (grid, partition)
+    # Given explicitly, they are compared as before.
+    with pytest.raises(ValueError, match=r"reuse: expected a plan made for partition_size="):
+        pagedattn.plan_decode(
+            _seq_lens(), **_plan_kwargs(num_programs=None, partition_size=2 * partition),
+            reuse=old,
+        )  # fmt: skip
+
+
 def test_plan_decode_reuse_message_shows_the_plans_values():
     old = pagedattn.plan_decode(_seq_lens((5, 12, 7)), **_plan_kwargs())
     with pytest.raises(ValueError, match=r"reuse: ") as info:

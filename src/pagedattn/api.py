@@ -293,9 +293,9 @@ def plan_decode(
         :func:`pagedattn.plan.auto_partition_size` states the rule).
     reuse : DecodePlan, optional
         A plan made earlier for the same sizes whose buffers are refilled instead of allocating
-        new ones (what a serving loop does every step). Defaults are worked out again, so a
-        refill under another ``using_backend`` preference than the plan's may ask for another
-        grid and is refused (pass ``num_programs`` to keep one).
+        new ones (what a serving loop does every step). ``num_programs`` and
+        ``partition_size``, where not given, are the plan's own: a refill keeps its grid and
+        partition whatever ``max_seq_len`` or the ``using_backend`` preference say now.
     max_seq_len : int, optional
         A host-side bound on ``seq_lens`` (engines know it without reading the GPU). It only
         selects the tuning table's context bucket for the grid size and the default partition
@@ -354,7 +354,12 @@ def plan_decode(
     )
     device = seq_lens.device
     ragged = query_start_loc is not None
-    if batch_invariant and partition_size is None:
+    # A refill keeps the grid and partition of the plan it refills, unless they are given.
+    kept_partition = isinstance(reuse, DecodePlan) and partition_size is None
+    if isinstance(reuse, DecodePlan):
+        num_programs = reuse.num_programs if num_programs is None else num_programs
+        partition_size = reuse.partition_size if kept_partition else partition_size
+    if batch_invariant and partition_size is None and not kept_partition:
         # Fixed: neither the table's nor the lengths' choice (both follow the batch).
         partition_size = DEFAULT_PARTITION
     hopper = _hopper_plan(
@@ -395,7 +400,7 @@ def plan_decode(
         # A table row may name any power of two; the kernel's tiles need >= MIN_PARTITION.
         if partition_size is None and (tuned_partition or 0) >= checks.MIN_PARTITION:
             partition_size = tuned_partition
-    if partition_size is None and max_seq_len is not None:
+    if partition_size is None and max_seq_len is not None and not kept_partition:
         partition_size = default_partition(
             batch=batch,
             max_seq_len=max_seq_len,
