@@ -153,8 +153,6 @@ class PagedAttnProvider(Provider):
         # Plans made for the family asked for (its grid): pagedattn-gluon's, two programs an SM.
         with pagedattn.api.using_backend(self.backend):
             plan = pagedattn.plan_decode(seq_lens, **plan_args)
-        # Refills keep that plan's grid and partition, whatever the preference around them.
-        plan_args.update(num_programs=plan.num_programs, partition_size=plan.partition_size)
         out = torch.empty_like(q)
 
         def replan():
