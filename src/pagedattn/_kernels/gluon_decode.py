@@ -499,8 +499,8 @@ def _compute_partition(
         l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
         o = gl.zeros([D, R], gl.float32, layout=o_l)
         v_norm = 1.0
-        # Page ids are loaded a tile ahead and checked at the tile's end, so no tile waits on
-        # its id (the load warp reads the ids too, for the copies).
+        # Each tile's page id is loaded during the tile before, so no tile waits on its id
+        # for the check (the load warp reads the ids too, for the copies).
         nxt_id = gl.load(bt_row + (token_start // PAGE_SIZE) * stride_bt_col, mask=n_tiles > 0)
         for i in range(n_tiles):
             g = it + i
