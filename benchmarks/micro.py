@@ -264,8 +264,7 @@ def gluon(args: argparse.Namespace) -> None:
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         ref = paged_decode_torch(*a, **kw)
         configs = [("triton", None, None, None, None)] + [
-            ("gluon", *c, *(gluon_decode.DEFAULT_LOAD_REGS,) * (4 - len(c)))
-            for c in args.configs
+            ("gluon", *c, *(gluon_decode.DEFAULT_LOAD_REGS,) * (4 - len(c))) for c in args.configs
         ]
         for backend, programs, stages, maxnreg, load_regs in configs:
             if backend == "triton":
