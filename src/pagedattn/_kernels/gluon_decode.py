@@ -115,12 +115,10 @@ def _work_bounds(
 
 
 @gluon.jit
-def _checked_page(bt_row, stride_bt_col, start, num_pages, pred, PAGE_SIZE: gl.constexpr):
-    """The page id of the tile at token ``start`` (0 where ``pred`` is False) and whether it
-    lies outside [0, num_pages); a bad id is read as page 0."""
-    page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col, mask=pred, other=0)
+def _checked_page(page, num_pages):
+    """A page id as read (outside [0, num_pages) read as page 0) and whether it was outside."""
     bad = (page < 0) | (page >= num_pages)
-    return gl.where(bad, 0, page), bad & pred
+    return gl.where(bad, 0, page), bad
 
 
 @gluon.jit
@@ -395,7 +393,8 @@ def _load_partition(
             g = it + i
             buf = g % STAGES
             start = token_start + i * BLOCK
-            page, _ = _checked_page(bt_row, stride_bt_col, start, num_pages, True, PAGE_SIZE)
+            page_id = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
+            page, _ = _checked_page(page_id, num_pages)
             in_page = start % PAGE_SIZE
             # Slots start free: the first pass waits on the phase before the barrier's first.
             mbarrier.wait(empty.index(buf), ((g // STAGES) & 1) ^ 1)
@@ -512,9 +511,8 @@ def _compute_partition(
             nxt_id = gl.load(
                 bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col, mask=i + 1 < n_tiles
             )
-            bad = (page_id < 0) | (page_id >= num_pages)
+            page, bad = _checked_page(page_id, num_pages)
             if SCALE_MODE == 2:
-                page = gl.where(bad, 0, page_id)
                 ks, vs = _token_scales(
                     k_scale_ptr,
                     stride_ks_page,
