@@ -172,19 +172,24 @@ def _preferred_family(backend: str = "auto") -> tuple[str, bool]:
     return backend, False
 
 
-def _hopper_shape(device, *, kv_dtype, kv_scale, query_len, head_dim, page_size, group, by_default):
-    """Whether a step of this shape is planned and run on the Hopper family when it is
-    preferred (``by_default``: preferred by ``AUTO_FAMILY``, which takes it only with
-    per-tensor scales); the call's other arguments are judged at decode time."""
+def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group, by_default):
+    """Whether the Hopper family takes a step of this shape when it is preferred
+    (``by_default``: preferred by ``AUTO_FAMILY``, which takes it only with per-tensor
+    scales), on a device where it runs; the call's other arguments are judged at decode
+    time (:func:`pagedattn._kernels.gluon_decode.unsupported`)."""
     return (
-        _hopper_reason(device) is None
-        and kv_dtype == torch.float8_e4m3fn
+        kv_dtype == torch.float8_e4m3fn
         and (kv_scale == "per_tensor" or not by_default)
         and query_len == 1
         and head_dim == 128
         and page_size % 128 == 0
         and group <= 16
     )
+
+
+def _hopper_shape(device, **shape) -> bool:
+    """:func:`_hopper_covers` on ``device``, where the Hopper family runs."""
+    return _hopper_reason(device) is None and _hopper_covers(**shape)
 
 
 def _hopper_plan(device, *, ragged, batch_invariant, **shape) -> bool:

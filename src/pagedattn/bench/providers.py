@@ -131,13 +131,14 @@ class PagedAttnProvider(Provider):
     def supports(self, case: Case) -> tuple[bool, str]:
         if self.backend != "gluon":
             return True, ""
-        # What the Hopper family covers (gluon_decode.unsupported) that a case decides.
-        ok = (
-            case.kv_dtype == "fp8"
-            and case.query_len == 1
-            and case.head_dim == 128
-            and case.page_size % 128 == 0
-            and case.num_q_heads // case.num_kv_heads <= 16
+        ok = pagedattn.api._hopper_covers(
+            kv_dtype=KV_DTYPES[case.kv_dtype],
+            kv_scale=case.kv_scale,
+            query_len=case.query_len,
+            head_dim=case.head_dim,
+            page_size=case.page_size,
+            group=case.num_q_heads // case.num_kv_heads,
+            by_default=False,
         )
         return ok, "" if ok else "FP8, query_len 1, head_dim 128, page_size a multiple of 128 only"
 
