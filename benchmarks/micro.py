@@ -242,6 +242,11 @@ def decode(args: argparse.Namespace) -> None:
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r) + " |")
 
 
+# The Hopper kernel's forms (its ``transposed`` argument): its default for the case, S^T =
+# K Q^T (up to 16 query rows), S = Q K^T (up to 64).
+FORMS = {"default": None, "transposed": True, "rows": False}
+
+
 def gluon(args: argparse.Namespace) -> None:
     """The Hopper family against the portable one: ``paged_decode`` with a precomputed plan
     (the portable family at its default grid and partition, the Hopper family at each
@@ -257,16 +262,17 @@ def gluon(args: argparse.Namespace) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for (batch, context, query_len), scale in itertools.product(args.shapes, args.scales):
-        case = Case(batch, context, query_len, kv_scale=scale)
+        case = Case(batch, context, query_len, kv_scale=scale, page_size=args.page_size)
         cache = make_cache(case, device, gen)
         q = make_query(case, device, gen)
         a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         ref = paged_decode_torch(*a, **kw)
-        configs = [("triton", None, None, None, None)] + [
-            ("gluon", *c, *(gluon_decode.DEFAULT_LOAD_REGS,) * (4 - len(c))) for c in args.configs
+        configs = [("triton", None, None, None, None, None)] + [
+            ("gluon", *c, *(gluon_decode.DEFAULT_LOAD_REGS,) * (4 - len(c)), form)
+            for c, form in itertools.product(args.configs, args.forms)
         ]
-        for backend, programs, stages, maxnreg, load_regs in configs:
+        for backend, programs, stages, maxnreg, load_regs, form in configs:
             if backend == "triton":
                 plan = pagedattn.plan_decode(cache.seq_lens, **case.plan_kwargs())
                 step = functools.partial(pagedattn.paged_decode, *a, plan=plan, **kw)
@@ -281,9 +287,10 @@ def gluon(args: argparse.Namespace) -> None:
                     half=args.half,
                     maxnreg=maxnreg or None,
                     load_regs=load_regs,
+                    transposed=FORMS[form],
                     **kw,
                 )
-            ws = f":{load_regs}" if backend == "gluon" else ""
+            ws = f":{load_regs} {form}" if backend == "gluon" else ""
             label = f"{case.describe()} {backend} {programs}:{stages}:{maxnreg}{ws}"
             try:
                 us = time_graph([step] * GRAPH_CALLS).us_p50
@@ -490,6 +497,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens of V converted at a time (default: the kernel's)",
     )
     p.add_argument("--partition", type=int, default=256, help="the Hopper plans' partition")
+    p.add_argument(
+        "--forms",
+        type=lambda text: text.split(","),
+        default="default",
+        help=f"the Hopper kernel's forms: {', '.join(FORMS)} (comma-separated)",
+    )
+    p.add_argument("--page-size", type=int, default=1024)
 
     p = command(features, "each serving feature's cost against the plain step")
     p.add_argument("--shapes", type=lambda text: [tuple(int(x) for x in s.split("x")) for s in

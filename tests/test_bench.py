@@ -209,15 +209,20 @@ def test_flashinfer_absent_is_reported_not_raised(monkeypatch):
 
 def test_gluon_provider_takes_the_cases_its_family_covers():
     gluon = providers.PROVIDERS["pagedattn-gluon"]
-    assert gluon.supports(cases.Case(batch=1, context=64))[0]
-    assert gluon.supports(cases.Case(batch=1, context=64, kv_scale="per_token"))[0]
-    for other in (
+    for covered in (
+        cases.Case(batch=1, context=64),
+        cases.Case(batch=1, context=64, kv_scale="per_token"),
         cases.Case(batch=1, context=64, query_len=4),
-        cases.Case(batch=1, context=64, kv_dtype="bf16", kv_scale=None),
         cases.Case(batch=1, context=64, page_size=16),
     ):
+        assert gluon.supports(covered) == (True, ""), covered
+    for other, expected in (
+        (cases.Case(batch=1, context=64, kv_dtype="bf16", kv_scale=None), "kv dtype"),
+        (cases.Case(batch=1, context=64, query_len=8), "query_len at most 8 and"),
+        (cases.Case(batch=1, context=64, page_size=4), "page_size at least 8"),
+    ):
         ok, why = gluon.supports(other)
-        assert not ok and why.startswith("FP8, query_len 1"), other
+        assert not ok and why.startswith(f"expected {expected}"), (other, why)
 
 
 def test_flashinfer_skips_per_token_scales():

@@ -38,11 +38,20 @@ needs_gluon_build = pytest.mark.skipif(
     ),
 )
 
-# H200: 227 KB of shared memory per block at most.
+# H200: 227 KB of shared memory per block at most; two programs an SM need half of 228 KB
+# (less 1 KB each that the driver reserves).
 SHARED_LIMIT = 227 * 1024
+TWO_PER_SM = 228 * 1024 // 2 - 1024
+SPILL_BYTES = 32
 VARIANTS = [
     dict(group=g, scale_mode=m, write_lse=lse)
     for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
+] + [
+    # Several new tokens, gathered tiles out of short pages, the form with 64 query rows.
+    dict(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True)
+    for (g, n, p), m in itertools.product(
+        ((4, 4, 1024), (16, 4, 1024), (8, 1, 16), (4, 2, 16), (16, 4, 16), (32, 1, 1024)), (1, 2)
+    )
 ]
 
 _BUILD = r"""
@@ -62,11 +71,29 @@ for variant in json.loads(sys.argv[1]):
             [os.path.join(tools, "cuobjdump"), "-res-usage", path],
             capture_output=True, text=True, check=True,
         ).stdout
+        sass = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-sass", path],
+            capture_output=True, text=True, check=True,
+        ).stdout
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    # The tile loop: the tightest backward branch around every warpgroup MMA.
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    mmas = [a for a, op in code if "HGMMA" in op]
+    loops = [
+        (int(t, 16), a)
+        for a, op in code
+        for t in re.findall(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", op)
+        if int(t, 16) <= min(mmas, default=0) and a >= max(mmas, default=0)
+    ]
+    top, bottom = min(loops, key=lambda span: span[1] - span[0], default=(0, -1))
     results.append(dict(
         variant=variant,
         wgmma="wgmma" in kernel.asm["ptx"],
         shared=kernel.metadata.shared,
+        tile_loop=bottom > top,
+        loop_spills=sum(
+            1 for a, op in code if top <= a <= bottom and re.search(r"\b(LDL|STL)", op)
+        ),
         **{k.lower(): int(v) for k, v in fields.items()},
     ))
 print(json.dumps(results))
@@ -92,13 +119,22 @@ def builds():
 @needs_gluon_build
 @pytest.mark.xdist_group("gluon_build")  # one worker builds the variants (a module fixture)
 @pytest.mark.parametrize(
-    "variant", VARIANTS, ids=lambda v: "g{group}-s{scale_mode}-lse{write_lse}".format(**v)
+    "variant",
+    VARIANTS,
+    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}".format(
+        **{"query_len": 1, "page_size": 1024, **v}
+    ),
 )
 def test_sm90a_build(builds, variant):
     r = builds[json.dumps(variant, sort_keys=True)]
     assert r["wgmma"], "expected warpgroup MMA (wgmma) in the PTX"
-    assert r["stack"] == 0 and r["local"] == 0, f"spills: {r}"
+    # No spill in the tile loop; a few registers may spill around a work's epilogue (at most
+    # 24 bytes in these builds, a few accesses a work).
+    assert r["tile_loop"] and r["loop_spills"] == 0, f"spills in the tile loop: {r}"
+    assert r["stack"] <= SPILL_BYTES and r["local"] == 0, f"spills: {r}"
     assert r["shared"] <= SHARED_LIMIT, f"shared memory {r['shared']} B over {SHARED_LIMIT}"
+    # The plans for this family assume two programs an SM.
+    assert r["shared"] <= TWO_PER_SM, f"shared memory {r['shared']} B: one program an SM"
     # The resource count fits a 4-warp program (the register file holds 2 such at 255).
     assert 0 < r["reg"] <= 255, r
 
@@ -111,9 +147,10 @@ PAGE_SIZE = 256
 TOL = 3e-3  # bf16 output
 
 
-def _shape(group=8, kv_scale="per_tensor", head_dim=HEAD_DIM, page_size=PAGE_SIZE):
+def _shape(group=8, kv_scale="per_tensor", head_dim=HEAD_DIM, page_size=PAGE_SIZE, query_len=1):
     """An FP8 step's sizes, as the step builder and plan_decode both take them."""
     return dict(
+        query_len=query_len,
         num_q_heads=NUM_KV_HEADS * group,
         num_kv_heads=NUM_KV_HEADS,
         head_dim=head_dim,
@@ -127,6 +164,9 @@ def _decode(
     lens,
     *,
     group=8,
+    query_len=1,
+    page_size=PAGE_SIZE,
+    transposed=None,
     kv_layout="NHD",
     kv_scale="per_tensor",
     num_programs=None,
@@ -136,8 +176,9 @@ def _decode(
 ):
     """Builds a cache for ``lens`` (invalid ones as empty sequences), lets ``edit`` spoil it
     (returns the lengths passed to the kernel and those planned), decodes into poisoned
-    outputs; returns (out, lse, faults, q, cache, seq_lens)."""
-    shape = _shape(group, kv_scale)
+    outputs (``transposed``: the kernel's form, None its default); returns (out, lse,
+    faults, q, cache, seq_lens)."""
+    shape = _shape(group, kv_scale, page_size=page_size, query_len=query_len)
     cache, q = random_step(
         [max(n, 0) for n in lens],
         **shape,
@@ -172,6 +213,7 @@ def _decode(
         kv_layout=kv_layout,
         out=out,
         lse=lse,
+        transposed=transposed,
     )
     torch.cuda.synchronize()
     return out, lse, fault_codes(plan), q, cache, seq_lens
@@ -183,6 +225,9 @@ def _check(out, lse, q, cache, lens, valid):
         [n if b in valid else 0 for b, n in enumerate(lens)], dtype=torch.int32, device=DEVICE
     )
     ref, ref_lse = reference_decode(q, cache, ref_lens, return_lse=True)
+    n = q.shape[0] // len(lens)  # query rows a sequence
+    out, lse = out.unflatten(0, (len(lens), n)), lse.unflatten(0, (len(lens), n))
+    ref, ref_lse = ref.unflatten(0, (len(lens), n)), ref_lse.unflatten(0, (len(lens), n))
     rows = [b for b in range(len(lens)) if b in valid and lens[b] > 0]
     if rows:
         err = rel_error(out[rows], ref[rows])
@@ -194,14 +239,60 @@ def _check(out, lse, q, cache, lens, valid):
             assert bool((out[b] == 0).all()) and bool((lse[b] == float("-inf")).all())
 
 
+# (query heads per kv head, query_len, page_size, form): both forms, several new tokens,
+# gathered tiles (pages shorter than a tile).
+CASES = [
+    (1, 1, PAGE_SIZE, None),
+    (8, 1, PAGE_SIZE, None),
+    (16, 1, PAGE_SIZE, None),
+    (16, 1, PAGE_SIZE, False),
+    (4, 4, PAGE_SIZE, None),
+    (16, 4, PAGE_SIZE, None),
+    (5, 3, 128, None),
+    (32, 2, 512, None),
+    (8, 1, 16, None),
+    (4, 2, 16, None),
+    (16, 4, 16, None),
+    (2, 8, 8, None),
+    (8, 1, 64, False),
+]
+
+
 @requires_gpu
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("kv_scale", ["per_tensor", "per_token"])
-@pytest.mark.parametrize("group", [1, 8, 16])
-def test_matches_reference(gen, group, kv_scale, kv_layout):
-    lens = [1, 127, 129, 1000, 4097, 0, 256]
+@pytest.mark.parametrize(
+    "group,query_len,page_size,transposed", CASES, ids=lambda v: str(v).replace(" ", "")
+)
+def test_matches_reference(gen, group, query_len, page_size, transposed, kv_scale, kv_layout):
+    lens = [query_len, 127, 129, 1000, 4097, 0, 256, 8]
     out, lse, faults, q, cache, _ = _decode(
-        lens, group=group, kv_layout=kv_layout, kv_scale=kv_scale, gen=gen
+        lens,
+        group=group,
+        query_len=query_len,
+        page_size=page_size,
+        transposed=transposed,
+        kv_layout=kv_layout,
+        kv_scale=kv_scale,
+        gen=gen,
+    )
+    assert faults == {}
+    _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
+
+
+@requires_gpu
+@pytest.mark.parametrize("group,query_len,page_size", [(8, 1, 16), (16, 4, PAGE_SIZE), (4, 4, 16)])
+def test_split_new_tokens_and_gathered_tiles_through_the_reducer(gen, group, query_len, page_size):
+    # Short partitions: the last one of a sequence may end before some rows' causal limit.
+    lens = [4097, 129, 1000, 0, 8, 3000, 130]
+    out, lse, faults, q, cache, _ = _decode(
+        lens,
+        group=group,
+        query_len=query_len,
+        page_size=page_size,
+        num_programs=6,
+        partition_size=128,
+        gen=gen,
     )
     assert faults == {}
     _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
@@ -233,7 +324,7 @@ def _negative_length(cache, seq_lens, plan_lens):
 
 
 def _beyond_capacity(cache, seq_lens, plan_lens):
-    capacity = cache.block_table.shape[1] * PAGE_SIZE
+    capacity = cache.block_table.shape[1] * cache.page_size
     seq_lens[1] = plan_lens[1] = capacity + 1
     return seq_lens, plan_lens
 
@@ -249,7 +340,7 @@ def _page_id_negative(cache, seq_lens, plan_lens):
 
 
 def _page_id_too_large(cache, seq_lens, plan_lens):
-    last = math.ceil(seq_lens[1] / PAGE_SIZE) - 1
+    last = math.ceil(seq_lens[1] / cache.page_size) - 1
     cache.block_table[1, last] = cache.k_cache.shape[0]
     return seq_lens, plan_lens
 
@@ -264,16 +355,25 @@ FAULTS = {
 
 
 @requires_gpu
+@pytest.mark.parametrize("page_size,query_len", [(PAGE_SIZE, 1), (16, 1), (PAGE_SIZE, 4)])
 @pytest.mark.parametrize("num_programs", [None, 4])
 @pytest.mark.parametrize("kind", sorted(FAULTS))
-def test_each_fault_spoils_its_sequence_only(gen, kind, num_programs):
+def test_each_fault_spoils_its_sequence_only(gen, kind, num_programs, page_size, query_len):
     edit, code = FAULTS[kind]
     lens = [1000, 1500, 0, 129]
     out, lse, faults, q, cache, seq_lens = _decode(
-        lens, edit=edit, num_programs=num_programs, partition_size=256, gen=gen
+        lens,
+        edit=edit,
+        num_programs=num_programs,
+        partition_size=256,
+        page_size=page_size,
+        query_len=query_len,
+        group=4 if query_len > 1 else 8,
+        gen=gen,
     )
     assert set(faults) == {1} and faults[1] & code, faults
-    assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all())
+    rows = slice(query_len, 2 * query_len)  # sequence 1's
+    assert bool(out[rows].isnan().all()) and bool(lse[rows].isnan().all())
     _check(out, lse, q, cache, seq_lens, valid={0, 2, 3})
 
 
@@ -448,15 +548,28 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
     assert family == "gluon" and plan.num_programs == hopper_grid
     # The length hint alone would give 64-token partitions here; the family's tile is 128.
     assert plan.partition_size >= api.HOPPER_MIN_PARTITION
-    # Per-token scales, other shapes, or the portable preference: the portable grid and family.
+    # Gathered tiles and more query rows, either scale mode: the Hopper family too.
+    for kw in (
+        dict(page_size=16),
+        dict(page_size=16, kv_scale="per_token"),
+        dict(query_len=4),
+        dict(query_len=4, kv_scale="per_token"),
+    ):
+        plan, family = _choice(monkeypatch, **kw)
+        assert family == "gluon" and plan.num_programs == hopper_grid, kw
+    # Per-token scales with few query rows on whole-tile pages, other shapes, or the portable
+    # preference: the portable grid and family.
     for kw in (
         dict(kv_scale="per_token"),
         dict(preference="triton"),
         dict(head_dim=64),
-        dict(page_size=16),
+        dict(page_size=4),
     ):
         plan, family = _choice(monkeypatch, **kw)
         assert family == "triton" and plan.num_programs != hopper_grid, kw
+    # 128 query rows a kv head (the portable grid there is two programs an SM too).
+    plan, family = _choice(monkeypatch, query_len=8, num_q_heads=16 * NUM_KV_HEADS)
+    assert family == "triton"
     # A plan given another grid keeps the portable family by default ...
     plan, family = _choice(monkeypatch, num_programs=hopper_grid + NUM_KV_HEADS)
     assert family == "triton"

@@ -99,10 +99,10 @@ def tracing(buffer: torch.Tensor):
 
 BACKENDS = ("auto", "triton", "gluon")
 # What ``backend="auto"`` takes where nothing else is asked for: the Hopper family on the steps
-# it covers with per-tensor scales, whose plans are then made for its grid
-# (HOPPER_PROGRAMS_PER_SM); the portable family elsewhere. Whole step, query_len 1, the seed
-# grid on the H200 (`pagedattn bench`, pagedattn-gluon against pagedattn): per-tensor 0.957x
-# the portable family's time in geometric mean (0.85-1.04x), per-token 1.011x (kept portable).
+# where it was measured faster (:func:`_hopper_covers`), whose plans are then made for its
+# grid (HOPPER_PROGRAMS_PER_SM); the portable family elsewhere. Decode + reduce on the H200
+# (`benchmarks/micro.py gluon`), Hopper against portable: page 16, query_len 1, 128 x 8192
+# 88.5 against 105.0 µs; query_len 4, 16 query heads, 94.7 against 100.2 µs.
 AUTO_FAMILY = "gluon"
 # The Hopper kernel's occupancy: two programs an SM (a load warp and a compute warpgroup each,
 # 128 registers a thread, 107 KB of shared memory).
@@ -172,19 +172,42 @@ def _preferred_family(backend: str = "auto") -> tuple[str, bool]:
     return backend, False
 
 
-def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group, by_default):
-    """Whether the Hopper family takes a step of this shape when it is preferred
-    (``by_default``: preferred by ``AUTO_FAMILY``, which takes it only with per-tensor
-    scales), on a device where it runs; the call's other arguments are judged at decode
-    time (:func:`pagedattn._kernels.gluon_decode.unsupported`)."""
-    return (
-        kv_dtype == torch.float8_e4m3fn
-        and (kv_scale == "per_tensor" or not by_default)
-        and query_len == 1
-        and head_dim == 128
-        and page_size % 128 == 0
-        and group <= 16
+# The Hopper family's scope in shapes (the rest of a call is judged at decode time).
+HOPPER_HEAD_DIM = 128
+HOPPER_MAX_QUERY_LEN = 8
+HOPPER_MAX_ROWS = 64  # query_len x query heads per kv head: one warpgroup MMA's M
+HOPPER_MIN_PAGE = 8  # shorter pages would break the bulk copies' 8-row swizzle atoms
+
+
+def _hopper_shape_reason(*, kv_dtype, query_len, head_dim, page_size, group) -> str | None:
+    """What the Hopper family expects of a step's shape that this one lacks, or None."""
+    rows = query_len * group
+    needs = (
+        (kv_dtype == torch.float8_e4m3fn, f"kv dtype float8_e4m3fn, got {kv_dtype}"),
+        (
+            query_len <= HOPPER_MAX_QUERY_LEN and rows <= HOPPER_MAX_ROWS,
+            f"query_len at most {HOPPER_MAX_QUERY_LEN} and query_len x query heads per kv head"
+            f" at most {HOPPER_MAX_ROWS}, got {query_len} x {group}",
+        ),
+        (head_dim == HOPPER_HEAD_DIM, f"head_dim {HOPPER_HEAD_DIM}, got {head_dim}"),
+        (page_size >= HOPPER_MIN_PAGE, f"page_size at least {HOPPER_MIN_PAGE}, got {page_size}"),
     )
+    return next((f"expected {what}" for ok, what in needs if not ok), None)
+
+
+def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group, by_default):
+    """Whether the Hopper family takes a step of this shape when it is preferred, on a device
+    where it runs; the call's other arguments are judged at decode time
+    (:func:`pagedattn._kernels.gluon_decode.unsupported`). ``by_default``: preferred by
+    ``AUTO_FAMILY``, which takes every step it covers but those with per-token scales where
+    at most 16 query rows meet whole-tile pages (there the portable family was faster:
+    128 x 8192, query_len 1, decode + reduce 86.0 against 93.5 µs, `benchmarks/micro.py
+    gluon`, H200)."""
+    shape = dict(kv_dtype=kv_dtype, query_len=query_len, head_dim=head_dim, page_size=page_size)
+    if _hopper_shape_reason(**shape, group=group) is not None:
+        return False
+    small_rows = query_len * group <= 16 and page_size >= 128
+    return not by_default or kv_scale == "per_tensor" or not small_rows
 
 
 def _hopper_shape(device, **shape) -> bool:
@@ -280,10 +303,10 @@ def plan_decode(
         Scale mode of an FP8 cache (None for bf16/fp16).
     num_programs : int, optional
         Persistent grid size, a multiple of ``num_kv_heads``. Default: where the step will run
-        on the Hopper family (``backend="auto"`` on sm_90 with FP8 per-tensor scales,
-        query_len 1, head_dim 128, pages of a multiple of 128, up to 16 query heads per kv
-        head; or any FP8 step it covers inside ``using_backend("gluon")``), two programs per
-        SM (its kernel's occupancy) and partitions of at least 128 tokens; else SMs x the
+        on the Hopper family (``backend="auto"`` on sm_90 for the FP8 steps it takes by
+        default, see ``paged_decode``'s ``backend``; or any FP8 step it covers inside
+        ``using_backend("gluon")``), two programs per SM (its kernel's occupancy) and
+        partitions of at least 128 tokens; else SMs x the
         multiplier of the tuning table's row for this device and shape when ``max_seq_len`` is
         given (see :mod:`pagedattn.tuning`), else four programs per SM when ``query_len x
         group <= 16`` and two otherwise (measured best on the H200, see
@@ -631,12 +654,14 @@ def paged_decode(
     backend : {"auto", "triton", "gluon"}
         Kernel family. "triton": the portable Triton kernels (any GPU Triton supports, and
         the interpreter). "gluon": the Hopper family (sm_90, Triton 3.6), which covers FP8
-        e4m3 KV with a bf16 query, query_len 1, up to 16 query heads per kv head, head_dim
-        128, page_size a multiple of 128, plan partitions of at least 128 tokens, no sliding
-        window; it raises ``ValueError`` for anything else. "auto" (default): the faster
-        family for the call as measured on the H200, today the portable one everywhere
-        (:data:`AUTO_FAMILY`; :func:`using_backend` changes the preference). Both read the
-        same plan and share the reducer.
+        e4m3 KV (either scale mode) with a bf16 query, head_dim 128, query_len 1..8 with at
+        most 64 query rows a kv head (query_len x query heads per kv head), page_size >= 8,
+        plan partitions of at least 128 tokens, no sliding window, sinks, soft cap or
+        ``query_start_loc``; it raises ``ValueError`` for anything else. "auto" (default):
+        the faster family for the call as measured on the H200 (:data:`AUTO_FAMILY`: the
+        Hopper family where it covers the call, except per-token scales with at most 16
+        query rows on pages of >= 128 tokens; :func:`using_backend` changes the
+        preference). Both read the same plan and share the reducer.
 
     Returns
     -------

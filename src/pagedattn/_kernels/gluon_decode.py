@@ -1,26 +1,31 @@
 """Persistent paged decode kernel for Hopper (sm_90a) in Triton's Gluon dialect.
 
 The same work list, robustness checks and outputs as the portable kernel (``decode.py``); it
-covers FP8 e4m3 KV with per-tensor or per-token scales, a bf16 query, query_len 1, 1..16
-query heads per kv head, head_dim 128, and pages holding whole 128-token tiles (page_size a
-multiple of 128, partitions of at least 128 tokens), NHD or HND.
+covers FP8 e4m3 KV with per-tensor or per-token scales, a bf16 query, head_dim 128,
+query_len 1..8 with up to 64 query rows a kv head (row r: new token r // group, query head
+r % group; each new token attends keys up to its own position), pages of 8 tokens or more
+(a tile is 128 tokens: one page, or gathered out of 128 / page_size pages) and partitions of
+at least 128 tokens, NHD or HND (``api._hopper_shape_reason`` and :func:`unsupported` say
+what else).
 
 Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
 
 - the load warp (``_load_partition``) walks the program's works and tiles and copies each
-  tile's K and V (one bulk tensor copy of 128 tokens x 128 dims out of one page each) into
-  the next of ``STAGES`` shared-memory slots once the compute warpgroup has handed it back,
-  across work boundaries;
+  tile's K and V (one bulk tensor copy of 128 tokens x 128 dims out of one page, or one per
+  page shorter than a tile) into the next of ``STAGES`` shared-memory slots once the compute
+  warpgroup has handed it back, across work boundaries;
 - the compute warpgroup (``_compute_partition``), per work: the query as two e4m3 terms in
-  shared memory (``_load_query``); per tile: scores (``_scores``: S^T = K Q^T on FP8 wgmma,
-  the keys as stored), online softmax in log2 units over the tile's tokens (``_softmax``,
-  axis 0 of S^T; row sums kept per thread, reduced once a work), values (``_values``: V to
-  fp16 through shared memory ``HALF`` tokens at a time, O^T = V^T P^T on fp16 wgmma; the
-  slot handed back once V is read); then the epilogue (``_epilogue``: fault bits, then
-  ``out`` rows and LSE (natural log) or the work's partial slot (float32 rows, LSE in log2
-  units) for the shared reducer).
+  shared memory (``_load_query``); per tile: scores on FP8 wgmma with the keys as stored
+  (``_scores``), online softmax in log2 units (``_softmax``), values (V to fp16 through
+  shared memory, P V on fp16 wgmma; the slot handed back once K and V are read); then the
+  epilogue (``_epilogue``: fault bits, then ``out`` rows and LSE (natural log) or the work's
+  partial slot (float32 rows, LSE in log2 units) for the shared reducer).
 
-Rows of S^T's N dimension are the kv head's query heads, padded to ``R`` (8 or 16).
+Two forms of the MMAs (constexpr ``TRANSPOSED``): up to 16 query rows, S^T = K Q^T and O^T =
+V^T P^T with the rows as N (padded to ``R`` = 8 or 16; row sums kept per thread, P through
+shared memory, V converted ``HALF`` tokens at a time between MMAs, ``_values``); more rows,
+S = Q K^T and O = P V with 64 rows as M (row maxima and sums within a thread quad, P in
+registers as the A operand, the whole V tile converted before the MMA).
 """
 
 import torch
@@ -35,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..api import LOG2E, _cache_strides, _scale_strides, reduce_partials
+from ..api import LOG2E, _cache_strides, _hopper_shape_reason, _scale_strides, reduce_partials
 from .records import (
     FAULT_CAPACITY,
     FAULT_PAGE_ID,
@@ -49,8 +54,8 @@ from .records import (
 )
 
 BLOCK_N = 128  # tokens per tile
-HEAD_DIM = 128
-MAX_GROUP = 16
+HEAD_DIM = 128  # its scope in shapes: api._hopper_shape_reason
+MAX_TRANSPOSED_ROWS = 16  # query rows the transposed form takes (its MMAs' N)
 # Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
 SCALE_TENSOR, SCALE_TOKEN = 1, 2
 # Defaults: two stages, a cap of 128 registers a thread (two programs an SM; the compute
@@ -64,16 +69,31 @@ NUM_WARPS = 4
 LN2 = gl.constexpr(0.6931471805599453)
 
 
-def default_half(scale_mode: int) -> int:
-    """Tokens of V converted to fp16 at a time: a whole tile (64 with per-token scales, where
-    a whole tile spills). 128 x 8192 per-tensor, decode + reduce: 85.7 / 81.9 / 78.0 µs at
-    32 / 64 / 128 (`benchmarks/micro.py gluon --half`, H200)."""
-    return BLOCK_N if scale_mode == SCALE_TENSOR else 64
+def default_half(scale_mode: int, transposed: bool = True, page_size: int = BLOCK_N) -> int:
+    """Tokens of V converted to fp16 at a time. Transposed form: a whole tile, where it does
+    not spill (per-tensor scales, a page a tile), else 64; 128 x 8192 per-tensor, decode +
+    reduce: 85.7 / 81.9 / 78.0 µs at 32 / 64 / 128 (`benchmarks/micro.py gluon --half`,
+    H200). The other form converts the whole tile before its MMA, 32 tokens at a time (its
+    score and output accumulators take 128 registers a thread)."""
+    if not transposed:
+        return 32
+    whole = scale_mode == SCALE_TENSOR and page_size >= BLOCK_N
+    return BLOCK_N if whole else 64
 
 
-def rows_for_group(group: int) -> int:
-    """Query rows of the MMAs' N dimension for ``group`` query heads per kv head."""
-    return 8 if group <= 8 else 16
+def default_transposed(group: int, query_len: int) -> bool:
+    """Whether a case takes the transposed form (S^T = K Q^T): where its query rows fit
+    the form's N (at most 16)."""
+    return group * query_len <= MAX_TRANSPOSED_ROWS
+
+
+def query_rows(group: int, query_len: int, transposed: bool) -> int:
+    """Query rows of the MMAs for ``query_len`` new tokens of ``group`` query heads per kv
+    head: the N dimension of S^T = K Q^T (8 or 16) when ``transposed``, else the M dimension
+    of S = Q K^T (64)."""
+    if not transposed:
+        return 64
+    return 8 if group * query_len <= 8 else 16
 
 
 @gluon.jit
@@ -94,9 +114,9 @@ def _work_bounds(
     BLOCK: gl.constexpr,
 ):
     """Work ``w``'s record and the checks of its lengths (they are not trusted, see decode.py):
-    (seq, kv_head, token_start, token_end, partial slot, fault, invalid, tiles). A faulty
-    work reads no KV: its range is made empty. Every role of a program calls this, so all
-    agree on the tiles of each work."""
+    (seq, kv_head, token_start, token_end, partial slot, seq_len, fault, invalid, tiles). A
+    faulty work reads no KV: its range is made empty. Every role of a program calls this, so
+    all agree on the tiles of each work."""
     rec = works_ptr + w * WORK_FIELDS
     seq = gl.load(rec + WORK_SEQ)
     kv_head = gl.load(rec + WORK_KV_HEAD)
@@ -111,7 +131,7 @@ def _work_bounds(
     invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
     token_end = gl.where(invalid, token_start, token_end)
     n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
-    return seq, kv_head, token_start, token_end, slot, fault, invalid, n_tiles
+    return seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles
 
 
 @gluon.jit
@@ -131,16 +151,20 @@ def _load_query(
     qhi_s,
     qlo_s,
     GROUP: gl.constexpr,
+    QLEN: gl.constexpr,
     R: gl.constexpr,
     D: gl.constexpr,
     blk: gl.constexpr,
 ):
-    """The kv head's query rows as hi + lo e4m3 terms in shared memory, each row scaled by a
-    power of two (largest value in [128, 256)); returns the row scales."""
+    """The kv head's query rows (row r: new token r // GROUP, query head r % GROUP of the
+    group) as hi + lo e4m3 terms in shared memory, each row scaled by a power of two (largest
+    value in [128, 256)); returns the row scales."""
     rq = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    row = q_ptr + seq.to(gl.int64) * stride_q_tok + (kv_head * GROUP + rq) * stride_q_head
-    q = gl.load(row[:, None] + dq[None, :], mask=(rq < GROUP)[:, None], other=0.0)
+    q_tok = seq.to(gl.int64) * QLEN + rq // GROUP
+    heads = kv_head * GROUP + rq % GROUP
+    row = q_ptr + q_tok * stride_q_tok + heads * stride_q_head
+    q = gl.load(row[:, None] + dq[None, :], mask=(rq < QLEN * GROUP)[:, None], other=0.0)
     x = q.to(gl.float32)
     amax = gl.max(gl.abs(x), axis=1)
     bits = gl.maximum(amax, 1e-30).to(gl.int32, bitcast=True)
@@ -160,22 +184,39 @@ def _load_query(
 
 
 @gluon.jit
-def _scores(k_tile, qhi_s, qlo_s, BLOCK: gl.constexpr, R: gl.constexpr, s_l: gl.constexpr):
-    """Scores role: S^T = K (Q_hi + Q_lo)^T, issued asynchronously."""
-    s = warpgroup_mma(
-        k_tile,
-        qhi_s.permute((1, 0)),
-        gl.zeros([BLOCK, R], gl.float32, layout=s_l),
-        use_acc=False,
-        is_async=True,
-    )
-    return warpgroup_mma(k_tile, qlo_s.permute((1, 0)), s, is_async=True)
+def _scores(
+    k_tile,
+    qhi_s,
+    qlo_s,
+    BLOCK: gl.constexpr,
+    R: gl.constexpr,
+    s_l: gl.constexpr,
+    TRANSPOSED: gl.constexpr,
+):
+    """Scores role, issued asynchronously: S^T = K (Q_hi + Q_lo)^T (``TRANSPOSED``, the
+    keys as the A operand) or S = (Q_hi + Q_lo) K^T (the keys as the B operand)."""
+    if TRANSPOSED:
+        s = warpgroup_mma(
+            k_tile,
+            qhi_s.permute((1, 0)),
+            gl.zeros([BLOCK, R], gl.float32, layout=s_l),
+            use_acc=False,
+            is_async=True,
+        )
+        s = warpgroup_mma(k_tile, qlo_s.permute((1, 0)), s, is_async=True)
+    else:
+        k_t = k_tile.permute((1, 0))
+        s = warpgroup_mma(
+            qhi_s, k_t, gl.zeros([R, BLOCK], gl.float32, layout=s_l), use_acc=False, is_async=True
+        )
+        s = warpgroup_mma(qlo_s, k_t, s, is_async=True)
+    return s
 
 
 @gluon.jit
 def _convert_v(v_tile, v16_s, h, start, token_end, HALF: gl.constexpr, blk: gl.constexpr):
-    """Chunk ``h`` of the V tile to fp16 in shared memory; in the work's last tile, tokens
-    past its end (whatever their slots hold) become zeros."""
+    """Chunk ``h`` of the V tile to fp16 in ``v16_s``; in the work's last tile, tokens past
+    its end (whatever their slots hold) become zeros."""
     v = v_tile.slice(h * HALF, HALF).load(blk).to(gl.float16)
     if start + (h + 1) * HALF > token_end:
         tok = start + h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
@@ -188,23 +229,39 @@ def _softmax(
     s,
     m_i,
     l_acc,
-    col_scale,
+    row_scale,
     tok,
     token_end,
+    pos,
     ks,
     SCALE_MODE: gl.constexpr,
+    QLEN: gl.constexpr,
+    TOK_AXIS: gl.constexpr,
 ):
-    """Softmax role: one tile of S^T through the online softmax (log2 units). Returns the new
-    max, row sums, probabilities and the rescale of the old state."""
-    s = s * col_scale[None, :]
+    """Softmax role: one tile of scores (tokens along ``TOK_AXIS``) through the online
+    softmax in log2 units; a row attends tokens before the work's end and up to its
+    position ``pos``. Returns the new max, row sums (``TOK_AXIS`` 0: per thread, summed once
+    a work; 1: summed per tile), probabilities and the rescale of the old state."""
+    ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
+    s = s * gl.expand_dims(row_scale, TOK_AXIS)
     if SCALE_MODE == 2:
-        s = s * ks[:, None]
-    # Every tile holds at least one valid token, so m_new is finite.
-    s = gl.where((tok < token_end)[:, None], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[None, :])
-    l_acc = l_acc * alpha[None, :] + p
+        s = s * gl.expand_dims(ks, ROW_AXIS)
+    keep = gl.expand_dims(tok < token_end, ROW_AXIS)
+    if QLEN > 1:
+        keep = keep & (gl.expand_dims(tok, ROW_AXIS) <= gl.expand_dims(pos, TOK_AXIS))
+    s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=TOK_AXIS))
+    if QLEN > 1:
+        # A row may see no key of a tile, or of a work, in the new tokens' causal zone.
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new  # every tile holds a key every row attends: finite
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - gl.expand_dims(m_use, TOK_AXIS))
+    if TOK_AXIS == 0:
+        l_acc = l_acc * alpha[None, :] + p
+    else:
+        l_acc = l_acc * alpha + gl.sum(p, axis=1)
     return m_new, l_acc, p, alpha
 
 
@@ -219,46 +276,62 @@ def _token_scales(
     stride_vs_slot,
     stride_vs_head,
     page,
-    start,
+    tok,
     kv_head,
-    tok_ok,
-    offs_s,
     PAGE_SIZE: gl.constexpr,
 ):
-    """The per-token K and V scales of the tile at token ``start`` of ``page`` (0 where not
-    ``tok_ok``)."""
-    page = page.to(gl.int64)
-    in_page = (start % PAGE_SIZE + offs_s).to(gl.int64)
+    """The per-token K and V scales of the tile's tokens ``tok`` (``page``: the tile's page, or
+    each token's; 0 past the work's end, where ``page`` is -1)."""
+    ok = page >= 0
+    page = gl.maximum(page, 0).to(gl.int64)
+    in_page = (tok % PAGE_SIZE).to(gl.int64)
     ks = gl.load(
         k_scale_ptr + page * stride_ks_page + in_page * stride_ks_slot + kv_head * stride_ks_head,
-        mask=tok_ok,
+        mask=ok,
         other=0.0,
     )
     vs = gl.load(
         v_scale_ptr + page * stride_vs_page + in_page * stride_vs_slot + kv_head * stride_vs_head,
-        mask=tok_ok,
+        mask=ok,
         other=0.0,
     )
     return ks, vs
 
 
 @gluon.jit
-def _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE: gl.constexpr, o_l: gl.constexpr):
-    """P to shared memory as the P V MMA's operand and the accumulator rescaled; returns
-    (o, v_norm). Per-token scales: P times the tokens' V scales relative to the tile's
-    largest (out of fp16 subnormals); the accumulator is kept in units of the last tile's."""
+def _stage_p(
+    p,
+    alpha,
+    vs,
+    v_norm,
+    o,
+    p_s,
+    SCALE_MODE: gl.constexpr,
+    TOK_AXIS: gl.constexpr,
+    o_l: gl.constexpr,
+):
+    """P as the P V MMA's operand (``TOK_AXIS`` 0: P^T to shared memory; 1: fp16 registers,
+    returned) and the accumulator rescaled; returns (o, v_norm, p). Per-token scales: P
+    times the tokens' V scales relative to the tile's largest (out of fp16 subnormals); the
+    accumulator is kept in units of the last tile's."""
+    ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
     if SCALE_MODE == 2:
         vs_max = gl.max(vs, axis=0)
         vs_max = gl.where(vs_max > 0.0, vs_max, 1.0)
         inv_vs_max = 1.0 / vs_max
         alpha_o = alpha * (v_norm * inv_vs_max)
         v_norm = vs_max
-        p = p * (vs * inv_vs_max)[:, None]
+        p = p * gl.expand_dims(vs * inv_vs_max, ROW_AXIS)
     else:
         alpha_o = alpha
-    p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
-    o = o * gl.convert_layout(alpha_o, gl.SliceLayout(0, o_l))[None, :]
-    return o, v_norm
+    p16 = p.to(gl.float16)
+    if TOK_AXIS == 0:
+        p_s.store(gl.permute(p16, (1, 0)))
+    else:
+        p16 = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2))
+    # The accumulator's rows lie along ROW_AXIS, head_dim along TOK_AXIS.
+    o = o * gl.expand_dims(gl.convert_layout(alpha_o, gl.SliceLayout(TOK_AXIS, o_l)), TOK_AXIS)
+    return o, v_norm, p16
 
 
 @gluon.jit
@@ -275,9 +348,9 @@ def _values(
     HALF: gl.constexpr,
     blk: gl.constexpr,
 ):
-    """Values role: O^T += V^T P^T, ``HALF`` tokens of V at a time (chunk 0 is already in
-    ``v16_s``); once every warp has read the V slot, ``empty[slot]`` hands it back to the
-    load warp."""
+    """Values role of the transposed form: O^T += V^T P^T, ``HALF`` tokens of V at a time
+    (chunk 0 is already in ``v16_s``); once every warp has read the V slot,
+    ``empty[slot]`` hands it back to the load warp."""
     for h in gl.static_range(BLOCK // HALF):
         if h > 0:
             _convert_v(v_tile, v16_s, h, start, token_end, HALF, blk)
@@ -297,7 +370,7 @@ def _values(
 def _epilogue(
     o,
     m_i,
-    l_acc,
+    l_i,
     v_unit,
     fault,
     invalid,
@@ -314,43 +387,50 @@ def _epilogue(
     partial_out_ptr,
     partial_lse_ptr,
     GROUP: gl.constexpr,
+    QLEN: gl.constexpr,
     R: gl.constexpr,
     D: gl.constexpr,
     WRITE_LSE: gl.constexpr,
-    s_l: gl.constexpr,
+    TOK_AXIS: gl.constexpr,
+    row_l: gl.constexpr,
     o_l: gl.constexpr,
 ):
-    """Epilogue role: faults, then the rows to ``out`` or to the work's partial slot. A row
-    that saw no key (a padding slot) gets zeros and LSE -inf, a faulty work NaN."""
+    """Epilogue role: faults, then the rows to ``out`` or to the work's partial slot (``o``:
+    rows along ``1 - TOK_AXIS``; ``m_i``, ``l_i``: per row in ``row_l``). A row that saw no
+    key (a padding slot, or the causal zone in a partial) gets zeros and LSE -inf, a faulty
+    work NaN."""
+    ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
+    ROWS: gl.constexpr = QLEN * GROUP
     fault |= gl.where(page_fault, FAULT_PAGE_ID, 0)
     if fault != 0:
         gl.atomic_or(faults_ptr + seq, fault)
     nan_rows = invalid | page_fault
-    l_i = gl.sum(l_acc, axis=0)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     lse2 = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
     lse2 = gl.where(nan_rows, float("nan"), lse2)
     o_scale = gl.where(l_i > 0.0, v_unit / l_safe, 0.0)
     o_scale = gl.where(nan_rows, float("nan"), o_scale)
-    o = o * gl.convert_layout(o_scale, gl.SliceLayout(0, o_l))[None, :]
+    o = o * gl.expand_dims(gl.convert_layout(o_scale, gl.SliceLayout(TOK_AXIS, o_l)), TOK_AXIS)
     # Stored from the accumulator's layout: a layout conversion would take 8 KB of shared
     # memory at 16 rows, the difference between 3 and 4 programs an SM.
-    dd = gl.arange(0, D, layout=gl.SliceLayout(1, o_l))
-    rr = gl.arange(0, R, layout=gl.SliceLayout(0, o_l))
-    row_ok = (rr < GROUP)[None, :]
-    rl = gl.arange(0, R, layout=gl.SliceLayout(0, s_l))
+    dd = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(ROW_AXIS, o_l)), ROW_AXIS)
+    rr = gl.arange(0, R, layout=gl.SliceLayout(TOK_AXIS, o_l))
+    row_ok = gl.expand_dims(rr < ROWS, TOK_AXIS)
+    rl = gl.arange(0, R, layout=row_l)
     if slot < 0:
-        heads = kv_head * GROUP + rr
-        o_ptrs = out_ptr + seq.to(gl.int64) * stride_o_tok + heads[None, :] * stride_o_head
-        gl.store(o_ptrs + dd[:, None], o.to(out_ptr.dtype.element_ty), mask=row_ok)
+        q_tok = seq.to(gl.int64) * QLEN + rr // GROUP
+        rows = q_tok * stride_o_tok + (kv_head * GROUP + rr % GROUP) * stride_o_head
+        o_ptrs = out_ptr + gl.expand_dims(rows, TOK_AXIS) + dd
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok)
         if WRITE_LSE:
-            lse_row = lse_ptr + seq.to(gl.int64) * stride_lse_tok + kv_head * GROUP
-            gl.store(lse_row + rl, lse2 * LN2, mask=rl < GROUP)
+            lse_tok = seq.to(gl.int64) * QLEN + rl // GROUP
+            lse_ptrs = lse_ptr + lse_tok * stride_lse_tok + kv_head * GROUP + rl % GROUP
+            gl.store(lse_ptrs, lse2 * LN2, mask=rl < ROWS)
     else:
-        base = slot.to(gl.int64) * GROUP
-        p_ptrs = partial_out_ptr + (base + rr[None, :]) * D + dd[:, None]
+        base = slot.to(gl.int64) * ROWS
+        p_ptrs = partial_out_ptr + gl.expand_dims((base + rr) * D, TOK_AXIS) + dd
         gl.store(p_ptrs, o, mask=row_ok)
-        gl.store(partial_lse_ptr + base + rl, lse2, mask=rl < GROUP)
+        gl.store(partial_lse_ptr + base + rl, lse2, mask=rl < ROWS)
 
 
 @gluon.jit
@@ -367,25 +447,27 @@ def _load_partition(
     stride_bt_col,
     num_pages,
     capacity,
+    tile_pages,
     seq_lens_ptr,
     work_indptr_ptr,
-    works_offset,
-    planned_lens_offset,
+    works_ptr,
+    planned_lens_ptr,
     STAGES: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
 ):
     """Load warp: walks the program's works and their tiles, copying each tile's K and V into
     the next of ``STAGES`` slots once the compute warpgroup has handed it back (``empty``),
-    across work boundaries. Bad page ids are read as page 0 (the compute side flags them)."""
+    across work boundaries: one bulk copy per tile and tensor, or, from pages shorter than
+    a tile, one per page (a gathered tile; pages past the work's end are read as page 0).
+    Bad page ids are read as page 0 (the compute side flags them)."""
     BLOCK: gl.constexpr = 128
-    works_ptr = work_indptr_ptr + works_offset
-    planned_lens_ptr = work_indptr_ptr + planned_lens_offset
+    SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
     pid = gl.program_id(0)
     work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
     work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
     it = 0
     for w in range(work_begin, work_end):
-        seq, kv_head, token_start, _, _, _, _, n_tiles = _work_bounds(
+        seq, kv_head, token_start, _, _, _, _, _, n_tiles = _work_bounds(
             works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity, BLOCK
         )
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
@@ -393,19 +475,34 @@ def _load_partition(
             g = it + i
             buf = g % STAGES
             start = token_start + i * BLOCK
-            page_id = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
-            page, _ = _checked_page(page_id, num_pages)
-            in_page = start % PAGE_SIZE
+            if SUB == 1:
+                page_id = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
+                page, _ = _checked_page(page_id, num_pages)
+                in_page = start % PAGE_SIZE
             # Slots start free: the first pass waits on the phase before the barrier's first.
             mbarrier.wait(empty.index(buf), ((g // STAGES) & 1) ^ 1)
-            mbarrier.expect(kready.index(buf), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [page, in_page, kv_head, 0], kready.index(buf), k_s.index(buf)
-            )
-            mbarrier.expect(vready.index(buf), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [page, in_page, kv_head, 0], vready.index(buf), v_s.index(buf)
-            )
+            mbarrier.expect(kready.index(buf), SUB * k_desc.block_type.nbytes)
+            mbarrier.expect(vready.index(buf), SUB * v_desc.block_type.nbytes)
+            if SUB == 1:
+                at = [page, in_page, kv_head, 0]
+                tma.async_copy_global_to_shared(k_desc, at, kready.index(buf), k_s.index(buf))
+                tma.async_copy_global_to_shared(v_desc, at, vready.index(buf), v_s.index(buf))
+            else:
+                # One page a copy, K's then V's; a runtime count (SUB), so not unrolled.
+                col = start // PAGE_SIZE
+                for j in range(tile_pages):
+                    # Columns past the table's width are not read (the compute side masks
+                    # what lies past the work's end).
+                    page_id = gl.load(
+                        bt_row + (col + j) * stride_bt_col,
+                        mask=(col + j) * PAGE_SIZE < capacity,
+                        other=0,
+                    )
+                    page, _ = _checked_page(page_id, num_pages)
+                    at = [page, 0, kv_head, 0]
+                    box = buf * SUB + j
+                    tma.async_copy_global_to_shared(k_desc, at, kready.index(buf), k_s.index(box))
+                    tma.async_copy_global_to_shared(v_desc, at, vready.index(buf), v_s.index(box))
         it += n_tiles
 
 
@@ -438,68 +535,93 @@ def _compute_partition(
     capacity,
     seq_lens_ptr,
     work_indptr_ptr,
-    works_offset,
-    planned_lens_offset,
-    faults_offset,
+    works_ptr,
+    planned_lens_ptr,
+    faults_ptr,
     out_ptr,
     stride_o_tok,
     stride_o_head,
     lse_ptr,
     stride_lse_tok,
     partial_out_ptr,
-    lse_offset,
+    partial_lse_ptr,
     qk_scale,
     GROUP: gl.constexpr,
+    QLEN: gl.constexpr,
     R: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     SCALE_MODE: gl.constexpr,
     WRITE_LSE: gl.constexpr,
     STAGES: gl.constexpr,
     HALF: gl.constexpr,
+    TRANSPOSED: gl.constexpr,
 ):
     """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
-    P V out of the slot the load warp filled, handing the slot back after V is read; then
-    the epilogue."""
+    P V out of the slot the load warp filled, handing the slot back once K and V are read;
+    then the epilogue. ``TRANSPOSED``: S^T = K Q^T with the query rows as the MMAs' N
+    dimension (8 or 16), row sums per thread, P through shared memory; else S = Q K^T with
+    64 query rows as M, row sums per tile, P in registers."""
     BLOCK: gl.constexpr = 128
     D: gl.constexpr = 128
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 32]
-    )
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16]
-    )
+    TOK_AXIS: gl.constexpr = 1 - TRANSPOSED  # of the scores (and the head_dim of O)
+    ROW_AXIS: gl.constexpr = TRANSPOSED
+    if TRANSPOSED:
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 32]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16]
+        )
+    else:
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+    tok_l: gl.constexpr = gl.SliceLayout(ROW_AXIS, s_l)
+    row_l: gl.constexpr = gl.SliceLayout(TOK_AXIS, s_l)
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    works_ptr = work_indptr_ptr + works_offset
-    planned_lens_ptr = work_indptr_ptr + planned_lens_offset
-    faults_ptr = work_indptr_ptr + faults_offset
-    partial_lse_ptr = partial_out_ptr + lse_offset
+    # Page ids of a gathered tile, one token a thread.
+    pg_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     if SCALE_MODE == 1:
         k_scale = gl.load(k_scale_ptr)
         v_scale = gl.load(v_scale_ptr)
     else:
         k_scale = 1.0
         v_scale = 1.0
-    offs_s = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_l))
+    offs_s = gl.arange(0, BLOCK, layout=tok_l)
+    offs_pg = gl.arange(0, BLOCK, layout=pg_l)
+    row_tok = gl.arange(0, R, layout=row_l) // GROUP
     pid = gl.program_id(0)
     work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
     work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
     it = 0
     for w in range(work_begin, work_end):
-        seq, kv_head, token_start, token_end, slot, fault, invalid, n_tiles = _work_bounds(
+        seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles = _work_bounds(
             works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity, BLOCK
         )
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-        page_fault = n_tiles < 0  # False
+        if PAGE_SIZE >= BLOCK:
+            page_fault = n_tiles < 0  # one page a tile: a flag (False)
+        else:
+            page_fault = offs_pg < 0  # gathered tiles: a flag a token (all False)
         q_scale = _load_query(
-            q_ptr, stride_q_tok, stride_q_head, seq, kv_head, qhi_s, qlo_s, GROUP, R, D, blk
+            q_ptr, stride_q_tok, stride_q_head, seq, kv_head, qhi_s, qlo_s, GROUP, QLEN, R, D, blk
         )
-        col_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), gl.SliceLayout(0, s_l))
-        m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
-        l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
-        o = gl.zeros([D, R], gl.float32, layout=o_l)
+        row_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), row_l)
+        # Absolute position of each row's new token: it attends keys up to it.
+        pos = seq_len - QLEN + row_tok
+        m_i = gl.full([R], float("-inf"), gl.float32, layout=row_l)
+        if TRANSPOSED:
+            l_acc = gl.zeros([BLOCK, R], gl.float32, layout=s_l)
+            o = gl.zeros([D, R], gl.float32, layout=o_l)
+        else:
+            l_acc = gl.zeros([R], gl.float32, layout=row_l)
+            o = gl.zeros([R, D], gl.float32, layout=o_l)
         v_norm = 1.0
-        # Each tile's page id is loaded during the tile before, so no tile waits on its id
-        # for the check (the load warp reads the ids too, for the copies).
+        # A tile's page id is loaded during the tile before, so no tile waits on its id for
+        # the check (the load warp reads the ids too, for the copies).
         nxt_id = gl.load(bt_row + (token_start // PAGE_SIZE) * stride_bt_col, mask=n_tiles > 0)
         for i in range(n_tiles):
             g = it + i
@@ -507,12 +629,32 @@ def _compute_partition(
             ph = (g // STAGES) & 1
             start = token_start + i * BLOCK
             tok = start + offs_s
-            page_id = nxt_id
-            nxt_id = gl.load(
-                bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col, mask=i + 1 < n_tiles
-            )
-            page, bad = _checked_page(page_id, num_pages)
+            if PAGE_SIZE >= BLOCK:
+                page_id = nxt_id
+                nxt_id = gl.load(
+                    bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col, mask=i + 1 < n_tiles
+                )
+                page, bad = _checked_page(page_id, num_pages)
+            else:
+                tok_pg = start + offs_pg
+                page_id = gl.load(
+                    bt_row + (tok_pg // PAGE_SIZE) * stride_bt_col, mask=tok_pg < token_end, other=0
+                )
+                page, bad = _checked_page(page_id, num_pages)
+            page_fault = page_fault | bad
             if SCALE_MODE == 2:
+                # The transposed form holds 4 tokens a thread: loaded where used. The other
+                # holds 32, so they are loaded one a thread and moved over when needed.
+                if TRANSPOSED:
+                    sc_tok = tok
+                else:
+                    sc_tok = start + offs_pg
+                if PAGE_SIZE >= BLOCK:
+                    tok_page = gl.where(sc_tok < token_end, page, -1)
+                elif TRANSPOSED:
+                    tok_page = gl.convert_layout(gl.where(tok_pg < token_end, page, -1), tok_l)
+                else:
+                    tok_page = gl.where(tok_pg < token_end, page, -1)
                 ks, vs = _token_scales(
                     k_scale_ptr,
                     stride_ks_page,
@@ -522,30 +664,53 @@ def _compute_partition(
                     stride_vs_page,
                     stride_vs_slot,
                     stride_vs_head,
-                    page,
-                    start,
+                    tok_page,
+                    sc_tok,
                     kv_head,
-                    tok < token_end,
-                    offs_s,
                     PAGE_SIZE,
                 )
             else:
-                ks = col_scale
-                vs = col_scale
+                ks = offs_s
+                vs = offs_s
             mbarrier.wait(kready.index(buf), ph)
-            s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l)
+            s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED)
             mbarrier.wait(vready.index(buf), ph)
-            _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
-            s = warpgroup_mma_wait(0, deps=[s])
-            m_i, l_acc, p, alpha = _softmax(
-                s, m_i, l_acc, col_scale, tok, token_end, ks, SCALE_MODE
+            if TRANSPOSED:
+                _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
+                s = warpgroup_mma_wait(0, deps=[s])
+            else:
+                for h in gl.static_range(BLOCK // HALF):
+                    _convert_v(
+                        v2.index(buf), v16_s.slice(h * HALF, HALF), h, start, token_end, HALF, blk
+                    )
+                s = warpgroup_mma_wait(0, deps=[s])
+                # K and V read in every warp (and V's fp16 copy written) before the slot is
+                # handed back.
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(buf))
+            if SCALE_MODE == 2 and not TRANSPOSED:
+                ks = gl.convert_layout(ks, tok_l)
+            m_new, l_acc, p, alpha = _softmax(
+                s, m_i, l_acc, row_scale, tok, token_end, pos, ks, SCALE_MODE, QLEN, TOK_AXIS
             )
-            o, v_norm = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, o_l)
-            o = _values(
-                o, v2.index(buf), v16_s, p_s, empty, buf, start, token_end, BLOCK, HALF, blk
-            )
-            page_fault = page_fault | bad
+            m_i = m_new
+            if SCALE_MODE == 2 and not TRANSPOSED:
+                vs = gl.convert_layout(vs, tok_l)
+            o, v_norm, p16 = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, TOK_AXIS, o_l)
+            if TRANSPOSED:
+                o = _values(
+                    o, v2.index(buf), v16_s, p_s, empty, buf, start, token_end, BLOCK, HALF, blk
+                )
+            else:
+                o = warpgroup_mma(p16, v16_s, o)
         it += n_tiles
+        if PAGE_SIZE < BLOCK:
+            page_fault = gl.max(page_fault.to(gl.int32), axis=0) != 0
+        if TRANSPOSED:
+            l_i = gl.sum(l_acc, axis=0)
+        else:
+            l_i = l_acc
         if SCALE_MODE == 2:
             v_unit = v_norm
         else:
@@ -553,7 +718,7 @@ def _compute_partition(
         _epilogue(
             o,
             m_i,
-            l_acc,
+            l_i,
             v_unit,
             fault,
             invalid,
@@ -570,17 +735,19 @@ def _compute_partition(
             partial_out_ptr,
             partial_lse_ptr,
             GROUP,
+            QLEN,
             R,
             D,
             WRITE_LSE,
-            s_l,
+            TOK_AXIS,
+            row_l,
             o_l,
         )
 
 
 @gluon.jit
 def gluon_decode_kernel(
-    q_ptr,  # [batch, num_q_heads, head_dim] bf16 (query_len 1), unit stride on head_dim
+    q_ptr,  # [batch * query_len, num_q_heads, head_dim] bf16, unit stride on head_dim
     stride_q_tok,
     stride_q_head,
     k_desc,  # bulk-copy descriptors over [num_pages, page_size, num_kv_heads, head_dim]
@@ -598,20 +765,22 @@ def gluon_decode_kernel(
     stride_bt_col,
     num_pages,
     capacity,
+    tile_pages,  # bulk copies a tile and tensor: max(128 // page_size, 1)
     seq_lens_ptr,
     work_indptr_ptr,
-    works_offset,
-    planned_lens_offset,
-    faults_offset,
+    works_ptr,
+    planned_lens_ptr,
+    faults_ptr,
     out_ptr,
     stride_o_tok,
     stride_o_head,
     lse_ptr,
     stride_lse_tok,
     partial_out_ptr,
-    lse_offset,
+    partial_lse_ptr,
     qk_scale,
     GROUP: gl.constexpr,
+    QLEN: gl.constexpr,
     R: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     SCALE_MODE: gl.constexpr,
@@ -619,21 +788,30 @@ def gluon_decode_kernel(
     STAGES: gl.constexpr,
     HALF: gl.constexpr,
     LOAD_REGS: gl.constexpr,
+    TRANSPOSED: gl.constexpr,
 ):
     """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
     thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works."""
     BLOCK: gl.constexpr = 128
     D: gl.constexpr = 128
+    SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # bulk copies a tile
+    # V's fp16 copy: HALF tokens at a time (transposed), else the whole tile.
+    V16_ROWS: gl.constexpr = BLOCK - (BLOCK - HALF) * TRANSPOSED
+    P_ROWS: gl.constexpr = 8 + (R - 8) * TRANSPOSED  # P through shared memory (transposed)
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, BLOCK], gl.float16)
-    v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], gl.float16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P_ROWS, BLOCK], gl.float16)
+    v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([V16_ROWS, D], gl.float16)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float8e4nv)
     k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], k_desc.layout)
     v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], v_desc.layout)
     k2 = k_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
     v2 = v_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
-    v16_s = gl.allocate_shared_memory(gl.float16, [HALF, D], v16_sl)
-    p_s = gl.allocate_shared_memory(gl.float16, [R, BLOCK], p_sl)
+    # The load warp's view: one box a page (a tile's SUB boxes back to back).
+    box_shape: gl.constexpr = [STAGES * SUB, 1, BLOCK // SUB, 1, D]
+    k_boxes = k_s._reinterpret(gl.float8e4nv, box_shape, k_desc.layout)
+    v_boxes = v_s._reinterpret(gl.float8e4nv, box_shape, v_desc.layout)
+    v16_s = gl.allocate_shared_memory(gl.float16, [V16_ROWS, D], v16_sl)
+    p_s = gl.allocate_shared_memory(gl.float16, [P_ROWS, BLOCK], p_sl)
     qhi_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
     qlo_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
     kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -676,24 +854,26 @@ def gluon_decode_kernel(
                     capacity,
                     seq_lens_ptr,
                     work_indptr_ptr,
-                    works_offset,
-                    planned_lens_offset,
-                    faults_offset,
+                    works_ptr,
+                    planned_lens_ptr,
+                    faults_ptr,
                     out_ptr,
                     stride_o_tok,
                     stride_o_head,
                     lse_ptr,
                     stride_lse_tok,
                     partial_out_ptr,
-                    lse_offset,
+                    partial_lse_ptr,
                     qk_scale,
                     GROUP,
+                    QLEN,
                     R,
                     PAGE_SIZE,
                     SCALE_MODE,
                     WRITE_LSE,
                     STAGES,
                     HALF,
+                    TRANSPOSED,
                 ),
             ),
             (
@@ -701,8 +881,8 @@ def gluon_decode_kernel(
                 (
                     k_desc,
                     v_desc,
-                    k_s,
-                    v_s,
+                    k_boxes,
+                    v_boxes,
                     kready,
                     vready,
                     empty,
@@ -711,10 +891,11 @@ def gluon_decode_kernel(
                     stride_bt_col,
                     num_pages,
                     capacity,
+                    tile_pages,
                     seq_lens_ptr,
                     work_indptr_ptr,
-                    works_offset,
-                    planned_lens_offset,
+                    works_ptr,
+                    planned_lens_ptr,
                     STAGES,
                     PAGE_SIZE,
                 ),
@@ -732,9 +913,50 @@ def gluon_decode_kernel(
 # -- host side --
 
 
-def kv_block_layout():
-    """Shared-memory layout of one K or V box ([1, BLOCK_N, 1, HEAD_DIM] e4m3)."""
-    return gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, HEAD_DIM], gl.float8e4nv)
+def box_tokens(page_size: int) -> int:
+    """Tokens of one bulk copy: a whole tile, or a whole page shorter than a tile."""
+    return min(page_size, BLOCK_N)
+
+
+def kv_block_layout(page_size: int):
+    """Shared-memory layout of one K or V box ([1, box_tokens, 1, HEAD_DIM] e4m3)."""
+    box = [1, box_tokens(page_size), 1, HEAD_DIM]
+    return gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+
+
+def variant(
+    *,
+    group: int,
+    query_len: int,
+    page_size: int,
+    scale_mode: int,
+    write_lse: bool,
+    stages: int = DEFAULT_STAGES,
+    half: int | None = None,
+    load_regs: int = DEFAULT_LOAD_REGS,
+    transposed: bool | None = None,
+) -> dict:
+    """The kernel's constexprs for one case (``half``, ``transposed`` None: the defaults,
+    :func:`default_half` and :func:`default_transposed`)."""
+    if transposed is None:
+        transposed = default_transposed(group, query_len)
+    elif transposed and group * query_len > MAX_TRANSPOSED_ROWS:
+        raise ValueError(
+            f"transposed: the form takes at most {MAX_TRANSPOSED_ROWS} query rows, got "
+            f"{query_len} x {group}"
+        )
+    return {
+        "GROUP": group,
+        "QLEN": query_len,
+        "R": query_rows(group, query_len, transposed),
+        "PAGE_SIZE": page_size,
+        "SCALE_MODE": scale_mode,
+        "WRITE_LSE": write_lse,
+        "STAGES": stages,
+        "HALF": half or default_half(scale_mode, transposed, page_size),
+        "LOAD_REGS": load_regs,
+        "TRANSPOSED": transposed,
+    }
 
 
 # Integer arguments that are multiples of 16 in the usual shapes (contiguous q, out and
@@ -743,10 +965,13 @@ def kv_block_layout():
 _ALIGNED_INTS = ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_lse_tok")
 
 
-def _signature(group, page_size, scale_mode, write_lse, stages, half, load_regs):
-    """Argument types, constexprs and alignment attributes of one variant, as a launch with
-    contiguous q, out and block table specialises them, for compiling without a GPU."""
-    desc = f"tensordesc<fp8e4nv[1, {BLOCK_N}, 1, {HEAD_DIM}],{kv_block_layout()!r}>"
+def _signature(constexprs):
+    """Argument types and alignment attributes of one variant (``constexprs``: from
+    :func:`variant`), as a launch with contiguous q, out and block table specialises them,
+    for compiling without a GPU."""
+    page_size = constexprs["PAGE_SIZE"]
+    box = box_tokens(page_size)
+    desc = f"tensordesc<fp8e4nv[1, {box}, 1, {HEAD_DIM}],{kv_block_layout(page_size)!r}>"
     types = {
         "q_ptr": "*bf16",
         "k_desc": desc,
@@ -756,22 +981,20 @@ def _signature(group, page_size, scale_mode, write_lse, stages, half, load_regs)
         "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32",
         "work_indptr_ptr": "*i32",
+        "works_ptr": "*i32",
+        "planned_lens_ptr": "*i32",
+        "faults_ptr": "*i32",
+        "partial_lse_ptr": "*fp32",
         "out_ptr": "*bf16",
         "lse_ptr": "*fp32",
         "partial_out_ptr": "*fp32",
         "qk_scale": "fp32",
     }
-    constexprs = {
-        "GROUP": group,
-        "R": rows_for_group(group),
-        "PAGE_SIZE": page_size,
-        "SCALE_MODE": scale_mode,
-        "WRITE_LSE": write_lse,
-        "STAGES": stages,
-        "HALF": half,
-        "LOAD_REGS": load_regs,
-        "stride_bt_col": 1,  # a launch specialises ints equal to 1 as constants
-    }
+    # A launch specialises ints equal to 1 as constants.
+    constexprs = {**constexprs, "stride_bt_col": 1}
+    tile_pages = max(BLOCK_N // page_size, 1)
+    if tile_pages == 1:
+        constexprs["tile_pages"] = 1
     signature, attrs = {}, {}
     for i, name in enumerate(gluon_decode_kernel.arg_names):
         if name in constexprs:
@@ -786,6 +1009,7 @@ def _signature(group, page_size, scale_mode, write_lse, stages, half, load_regs)
 def compile_sm90a(
     *,
     group: int,
+    query_len: int = 1,
     page_size: int = 1024,
     scale_mode: int = SCALE_TENSOR,
     write_lse: bool = False,
@@ -793,18 +1017,26 @@ def compile_sm90a(
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
     load_regs: int = DEFAULT_LOAD_REGS,
+    transposed: bool | None = None,
 ):
-    """Compiles one variant for sm_90a without a GPU (Triton's bundled ptxas); returns the
-    compiled kernel (``asm`` holds ``ptx`` and ``cubin``, ``metadata.shared`` the bytes of
-    shared memory). ``load_regs``: the load warp's registers a thread; ``half`` None:
-    :func:`default_half`."""
+    """Compiles one variant (:func:`variant`'s arguments) for sm_90a without a GPU (Triton's
+    bundled ptxas); returns the compiled kernel (``asm`` holds ``ptx`` and ``cubin``,
+    ``metadata.shared`` the bytes of shared memory)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    half = half or default_half(scale_mode)
-    signature, constexprs, attrs = _signature(
-        group, page_size, scale_mode, write_lse, stages, half, load_regs
+    constexprs = variant(
+        group=group,
+        query_len=query_len,
+        page_size=page_size,
+        scale_mode=scale_mode,
+        write_lse=write_lse,
+        stages=stages,
+        half=half,
+        load_regs=load_regs,
+        transposed=transposed,
     )
+    signature, constexprs, attrs = _signature(constexprs)
     source = GluonASTSource(
         gluon_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs
     )
@@ -829,21 +1061,24 @@ def _descriptor(cache, kv_layout, page_size):
         cache,
         shape=[cache.shape[0], page_size, heads, HEAD_DIM],
         strides=strides,
-        block_shape=[1, BLOCK_N, 1, HEAD_DIM],
-        layout=kv_block_layout(),
+        block_shape=[1, box_tokens(page_size), 1, HEAD_DIM],
+        layout=kv_block_layout(page_size),
     )
 
 
 def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=None):
     """Why this family does not cover a decode call (checked arguments ``shape``), or None."""
-    group = shape.num_q_heads // shape.num_kv_heads
+    reason = _hopper_shape_reason(
+        kv_dtype=shape.kv_dtype,
+        query_len=shape.query_len,
+        head_dim=shape.head_dim,
+        page_size=shape.page_size,
+        group=shape.num_q_heads // shape.num_kv_heads,
+    )
+    if reason is not None:
+        return reason
     needs = [
-        (shape.kv_dtype == torch.float8_e4m3fn, f"kv dtype float8_e4m3fn, got {shape.kv_dtype}"),
         (q.dtype == torch.bfloat16, f"a bfloat16 query, got {q.dtype}"),
-        (shape.query_len == 1, f"query_len 1, got {shape.query_len}"),
-        (group <= MAX_GROUP, f"at most {MAX_GROUP} query heads per kv head, got {group}"),
-        (shape.head_dim == HEAD_DIM, f"head_dim {HEAD_DIM}, got {shape.head_dim}"),
-        (shape.page_size % BLOCK_N == 0, f"page_size a multiple of {BLOCK_N}"),
         (
             plan.min_partition_size >= BLOCK_N,
             f"partitions of at least {BLOCK_N} tokens, got {plan.min_partition_size}",
@@ -886,6 +1121,7 @@ def gluon_paged_decode(
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
     load_regs: int = DEFAULT_LOAD_REGS,
+    transposed: bool | None = None,
 ):
     """Decode with the Hopper kernel, then the shared split reducer; the arguments mean what
     they mean for :func:`pagedattn.paged_decode` (``lse``: a float32
@@ -894,7 +1130,8 @@ def gluon_paged_decode(
     Covers what :func:`unsupported` accepts; anything else raises ``ValueError``. Tuning:
     ``stages`` K/V slots, ``half`` tokens of V converted at a time (None:
     :func:`default_half`), ``maxnreg`` registers a thread over both warpgroups (128: two
-    programs fit on an SM), ``load_regs`` of them in the load warp. Plans for it are best made
+    programs fit on an SM), ``load_regs`` of them in the load warp, ``transposed`` the form
+    of the MMAs (None: :func:`default_transposed`). Plans for it are best made
     with two programs an SM (what ``plan_decode`` makes where the step runs on this family)."""
     from .. import checks
     from ..api import _run_checked
@@ -914,7 +1151,9 @@ def gluon_paged_decode(
             f"{lse.dtype} {tuple(lse.shape)}"
         )
     checked = (q, k_cache, v_cache, block_table, seq_lens, plan, shape)
-    tuning = dict(stages=stages, half=half, maxnreg=maxnreg, load_regs=load_regs)
+    tuning = dict(
+        stages=stages, half=half, maxnreg=maxnreg, load_regs=load_regs, transposed=transposed
+    )
     return _run_checked("gluon", checked, **given, lse=lse, **tuning)
 
 
@@ -937,6 +1176,7 @@ def launch(
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
     load_regs: int = DEFAULT_LOAD_REGS,
+    transposed: bool | None = None,
     reduce_config=None,
 ):
     """The decode kernel and the shared reducer on checked, covered arguments (``maxnreg``:
@@ -947,8 +1187,17 @@ def launch(
     group = shape.num_q_heads // shape.num_kv_heads
     if q.stride(2) != 1:
         q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
-    scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
-    half = half or default_half(scale_mode)
+    constexprs = variant(
+        group=group,
+        query_len=shape.query_len,
+        page_size=shape.page_size,
+        scale_mode=SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR,
+        write_lse=lse is not None,
+        stages=stages,
+        half=half,
+        load_regs=load_regs,
+        transposed=transposed,
+    )
     gluon_decode_kernel[(plan.num_programs,)](
         q,
         q.stride(0),
@@ -963,27 +1212,21 @@ def launch(
         *block_table.stride(),
         shape.num_pages,
         min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
+        max(BLOCK_N // shape.page_size, 1),
         seq_lens,
         plan.metadata,
-        plan.works_offset,
-        plan.planned_lens_offset,
-        plan.faults_offset,
+        plan.metadata[plan.works_offset :],
+        plan.metadata[plan.planned_lens_offset :],
+        plan.metadata[plan.faults_offset :],
         out,
         out.stride(0),
         out.stride(1),
         lse if lse is not None else out,  # never written without WRITE_LSE
         lse.stride(0) if lse is not None else 0,
         plan.partials,
-        plan.lse_offset,
+        plan.partials[plan.lse_offset :],
         sm_scale * LOG2E,
-        GROUP=group,
-        R=rows_for_group(group),
-        PAGE_SIZE=shape.page_size,
-        SCALE_MODE=scale_mode,
-        WRITE_LSE=lse is not None,
-        STAGES=stages,
-        HALF=half,
-        LOAD_REGS=load_regs,
+        **constexprs,
         num_warps=NUM_WARPS,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -131,16 +131,14 @@ class PagedAttnProvider(Provider):
     def supports(self, case: Case) -> tuple[bool, str]:
         if self.backend != "gluon":
             return True, ""
-        ok = pagedattn.api._hopper_covers(
+        reason = pagedattn.api._hopper_shape_reason(
             kv_dtype=KV_DTYPES[case.kv_dtype],
-            kv_scale=case.kv_scale,
             query_len=case.query_len,
             head_dim=case.head_dim,
             page_size=case.page_size,
             group=case.num_q_heads // case.num_kv_heads,
-            by_default=False,
         )
-        return ok, "" if ok else "FP8, query_len 1, head_dim 128, page_size a multiple of 128 only"
+        return reason is None, reason or ""
 
     def version(self) -> str:
         return pagedattn.__version__
