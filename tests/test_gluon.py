@@ -43,16 +43,25 @@ needs_gluon_build = pytest.mark.skipif(
 SHARED_LIMIT = 227 * 1024
 TWO_PER_SM = 228 * 1024 // 2 - 1024
 SPILL_BYTES = 32
-VARIANTS = [
-    dict(group=g, scale_mode=m, write_lse=lse)
-    for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
-] + [
-    # Several new tokens, gathered tiles out of short pages, the form with 64 query rows.
-    dict(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True)
-    for (g, n, p), m in itertools.product(
-        ((4, 4, 1024), (16, 4, 1024), (8, 1, 16), (4, 2, 16), (16, 4, 16), (32, 1, 1024)), (1, 2)
-    )
-]
+VARIANTS = (
+    [
+        dict(group=g, scale_mode=m, write_lse=lse)
+        for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
+    ]
+    + [
+        # Several new tokens, gathered tiles out of short pages, the form with 64 query rows.
+        dict(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True)
+        for (g, n, p), m in itertools.product(
+            ((4, 4, 1024), (16, 4, 1024), (8, 1, 16), (4, 2, 16), (16, 4, 16), (32, 1, 1024)),
+            (1, 2),
+        )
+    ]
+    + [
+        # A sliding window in each form.
+        dict(group=8, page_size=16, window=True, write_lse=True),
+        dict(group=16, query_len=4, window=True, scale_mode=2, write_lse=True),
+    ]
+)
 
 _BUILD = r"""
 import json, os, re, subprocess, sys, tempfile
@@ -121,8 +130,9 @@ def builds():
 @pytest.mark.parametrize(
     "variant",
     VARIANTS,
-    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}".format(
-        **{"query_len": 1, "page_size": 1024, **v}
+    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}{w}".format(
+        **{"query_len": 1, "page_size": 1024, "scale_mode": 1, **v},
+        w="-window" if v.get("window") else "",
     ),
 )
 def test_sm90a_build(builds, variant):
@@ -167,6 +177,7 @@ def _decode(
     query_len=1,
     page_size=PAGE_SIZE,
     transposed=None,
+    window=None,
     kv_layout="NHD",
     kv_scale="per_tensor",
     num_programs=None,
@@ -213,18 +224,19 @@ def _decode(
         kv_layout=kv_layout,
         out=out,
         lse=lse,
+        sliding_window=window,
         transposed=transposed,
     )
     torch.cuda.synchronize()
     return out, lse, fault_codes(plan), q, cache, seq_lens
 
 
-def _check(out, lse, q, cache, lens, valid):
+def _check(out, lse, q, cache, lens, valid, window=None):
     """Rows of the ``valid`` sequences match the reference; padding rows are zeros."""
     ref_lens = torch.tensor(
         [n if b in valid else 0 for b, n in enumerate(lens)], dtype=torch.int32, device=DEVICE
     )
-    ref, ref_lse = reference_decode(q, cache, ref_lens, return_lse=True)
+    ref, ref_lse = reference_decode(q, cache, ref_lens, return_lse=True, sliding_window=window)
     n = q.shape[0] // len(lens)  # query rows a sequence
     out, lse = out.unflatten(0, (len(lens), n)), lse.unflatten(0, (len(lens), n))
     ref, ref_lse = ref.unflatten(0, (len(lens), n)), ref_lse.unflatten(0, (len(lens), n))
@@ -308,6 +320,35 @@ def test_split_sequences_through_the_reducer(gen, num_programs, partition_size):
     )
     assert faults == {}
     _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
+
+
+@requires_gpu
+@pytest.mark.parametrize(
+    "group,query_len,page_size,window",
+    [
+        (8, 1, PAGE_SIZE, 300),
+        (8, 1, 16, 1),
+        (4, 4, 16, 200),
+        (16, 4, PAGE_SIZE, 129),
+        (16, 2, 64, 5),
+    ],
+)
+def test_sliding_window(gen, group, query_len, page_size, window):
+    # Short partitions over few programs: whole works lie below some windows.
+    lens = [4097, 129, 1000, 0, 8, 3000, 130]
+    for num_programs, partition_size in ((None, None), (6, 128)):
+        out, lse, faults, q, cache, _ = _decode(
+            lens,
+            group=group,
+            query_len=query_len,
+            page_size=page_size,
+            window=window,
+            num_programs=num_programs,
+            partition_size=partition_size,
+            gen=gen,
+        )
+        assert faults == {}
+        _check(out, lse, q, cache, lens, valid=set(range(len(lens))), window=window)
 
 
 @requires_gpu
@@ -436,8 +477,8 @@ def test_uncovered_cases_fall_back_or_say_why(gen):
     out = pagedattn.paged_decode(*args, **kw)  # auto: the portable family
     assert torch.equal(out, pagedattn.paged_decode(*args, **kw, backend="triton"))
     args, kw = _small_call(gen=gen)
-    with pytest.raises(ValueError, match="Hopper family expects no sliding window"):
-        pagedattn.paged_decode(*args, **kw, backend="gluon", sliding_window=64)
+    with pytest.raises(ValueError, match="Hopper family expects no logits_soft_cap"):
+        pagedattn.paged_decode(*args, **kw, backend="gluon", logits_soft_cap=30.0)
 
 
 def _is_hopper():

@@ -656,8 +656,8 @@ def paged_decode(
         the interpreter). "gluon": the Hopper family (sm_90, Triton 3.6), which covers FP8
         e4m3 KV (either scale mode) with a bf16 query, head_dim 128, query_len 1..8 with at
         most 64 query rows a kv head (query_len x query heads per kv head), page_size >= 8,
-        plan partitions of at least 128 tokens, no sliding window, sinks, soft cap or
-        ``query_start_loc``; it raises ``ValueError`` for anything else. "auto" (default):
+        plan partitions of at least 128 tokens, a sliding window or none, no sinks, soft
+        cap or ``query_start_loc``; it raises ``ValueError`` for anything else. "auto" (default):
         the faster family for the call as measured on the H200 (:data:`AUTO_FAMILY`: the
         Hopper family where it covers the call, except per-token scales with at most 16
         query rows on pages of >= 128 tokens; :func:`using_backend` changes the
@@ -766,10 +766,9 @@ def paged_decode(
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    portable_args = {}
+    family_args = dict(sliding_window=sliding_window)
     if family == "triton":
-        portable_args = dict(
-            sliding_window=sliding_window,
+        family_args.update(
             exact_qk=exact_qk,
             launch_config=launch_config,
             trace=trace,
@@ -786,7 +785,7 @@ def paged_decode(
         kv_layout=kv_layout,
         out=out,
         lse=lse,
-        **portable_args,
+        **family_args,
     )
     if debug and shape.batch:
         _raise_faults(plan)

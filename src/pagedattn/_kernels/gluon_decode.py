@@ -5,8 +5,8 @@ covers FP8 e4m3 KV with per-tensor or per-token scales, a bf16 query, head_dim 1
 query_len 1..8 with up to 64 query rows a kv head (row r: new token r // group, query head
 r % group; each new token attends keys up to its own position), pages of 8 tokens or more
 (a tile is 128 tokens: one page, or gathered out of 128 / page_size pages) and partitions of
-at least 128 tokens, NHD or HND (``api._hopper_shape_reason`` and :func:`unsupported` say
-what else).
+at least 128 tokens, NHD or HND, with or without a sliding window (``api._hopper_shape_reason``
+and :func:`unsupported` say what else).
 
 Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
 
@@ -111,12 +111,16 @@ def _work_bounds(
     planned_lens_ptr,
     num_pages,
     capacity,
+    window,
     BLOCK: gl.constexpr,
+    QLEN: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
 ):
     """Work ``w``'s record and the checks of its lengths (they are not trusted, see decode.py):
     (seq, kv_head, token_start, token_end, partial slot, seq_len, fault, invalid, tiles). A
-    faulty work reads no KV: its range is made empty. Every role of a program calls this, so
-    all agree on the tiles of each work."""
+    faulty work reads no KV: its range is made empty. With a sliding window the range starts
+    at the tile of the first key any row attends. Every role of a program calls this, so all
+    agree on the tiles of each work."""
     rec = works_ptr + w * WORK_FIELDS
     seq = gl.load(rec + WORK_SEQ)
     kv_head = gl.load(rec + WORK_KV_HEAD)
@@ -130,6 +134,9 @@ def _work_bounds(
     fault |= gl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
     invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
     token_end = gl.where(invalid, token_start, token_end)
+    if HAS_WINDOW:
+        first_key = gl.maximum(seq_len - QLEN - window + 1, 0)
+        token_start = gl.maximum(token_start, first_key // BLOCK * BLOCK)
     n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
     return seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles
 
@@ -234,13 +241,15 @@ def _softmax(
     token_end,
     pos,
     ks,
+    window,
     SCALE_MODE: gl.constexpr,
     QLEN: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
     TOK_AXIS: gl.constexpr,
 ):
     """Softmax role: one tile of scores (tokens along ``TOK_AXIS``) through the online
-    softmax in log2 units; a row attends tokens before the work's end and up to its
-    position ``pos``. Returns the new max, row sums (``TOK_AXIS`` 0: per thread, summed once
+    softmax in log2 units; a row attends tokens before the work's end, up to its position
+    ``pos`` and (``HAS_WINDOW``) after ``pos - window``. Returns the new max, row sums (``TOK_AXIS`` 0: per thread, summed once
     a work; 1: summed per tile), probabilities and the rescale of the old state."""
     ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
     s = s * gl.expand_dims(row_scale, TOK_AXIS)
@@ -249,10 +258,13 @@ def _softmax(
     keep = gl.expand_dims(tok < token_end, ROW_AXIS)
     if QLEN > 1:
         keep = keep & (gl.expand_dims(tok, ROW_AXIS) <= gl.expand_dims(pos, TOK_AXIS))
+    if HAS_WINDOW:
+        keep = keep & (gl.expand_dims(tok, ROW_AXIS) > gl.expand_dims(pos - window, TOK_AXIS))
     s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=TOK_AXIS))
-    if QLEN > 1:
-        # A row may see no key of a tile, or of a work, in the new tokens' causal zone.
+    if QLEN > 1 or HAS_WINDOW:
+        # A row may see no key of a tile, or of a work: the new tokens' causal zone, or
+        # below its window.
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new  # every tile holds a key every row attends: finite
@@ -448,12 +460,15 @@ def _load_partition(
     num_pages,
     capacity,
     tile_pages,
+    window,
     seq_lens_ptr,
     work_indptr_ptr,
     works_ptr,
     planned_lens_ptr,
     STAGES: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
+    QLEN: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
 ):
     """Load warp: walks the program's works and their tiles, copying each tile's K and V into
     the next of ``STAGES`` slots once the compute warpgroup has handed it back (``empty``),
@@ -468,7 +483,16 @@ def _load_partition(
     it = 0
     for w in range(work_begin, work_end):
         seq, kv_head, token_start, _, _, _, _, _, n_tiles = _work_bounds(
-            works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity, BLOCK
+            works_ptr,
+            w,
+            seq_lens_ptr,
+            planned_lens_ptr,
+            num_pages,
+            capacity,
+            window,
+            BLOCK,
+            QLEN,
+            HAS_WINDOW,
         )
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
         for i in range(n_tiles):
@@ -533,6 +557,7 @@ def _compute_partition(
     stride_bt_col,
     num_pages,
     capacity,
+    window,
     seq_lens_ptr,
     work_indptr_ptr,
     works_ptr,
@@ -555,6 +580,7 @@ def _compute_partition(
     STAGES: gl.constexpr,
     HALF: gl.constexpr,
     TRANSPOSED: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
 ):
     """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
     P V out of the slot the load warp filled, handing the slot back once K and V are read;
@@ -598,9 +624,19 @@ def _compute_partition(
     work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
     it = 0
     for w in range(work_begin, work_end):
-        seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles = _work_bounds(
-            works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity, BLOCK
+        bounds = _work_bounds(
+            works_ptr,
+            w,
+            seq_lens_ptr,
+            planned_lens_ptr,
+            num_pages,
+            capacity,
+            window,
+            BLOCK,
+            QLEN,
+            HAS_WINDOW,
         )
+        seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles = bounds
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
         if PAGE_SIZE >= BLOCK:
             page_fault = n_tiles < 0  # one page a tile: a flag (False)
@@ -692,7 +728,19 @@ def _compute_partition(
             if SCALE_MODE == 2 and not TRANSPOSED:
                 ks = gl.convert_layout(ks, tok_l)
             m_new, l_acc, p, alpha = _softmax(
-                s, m_i, l_acc, row_scale, tok, token_end, pos, ks, SCALE_MODE, QLEN, TOK_AXIS
+                s,
+                m_i,
+                l_acc,
+                row_scale,
+                tok,
+                token_end,
+                pos,
+                ks,
+                window,
+                SCALE_MODE,
+                QLEN,
+                HAS_WINDOW,
+                TOK_AXIS,
             )
             m_i = m_new
             if SCALE_MODE == 2 and not TRANSPOSED:
@@ -766,6 +814,7 @@ def gluon_decode_kernel(
     num_pages,
     capacity,
     tile_pages,  # bulk copies a tile and tensor: max(128 // page_size, 1)
+    window,  # sliding window in tokens (used if HAS_WINDOW)
     seq_lens_ptr,
     work_indptr_ptr,
     works_ptr,
@@ -789,6 +838,7 @@ def gluon_decode_kernel(
     HALF: gl.constexpr,
     LOAD_REGS: gl.constexpr,
     TRANSPOSED: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
 ):
     """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
     thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works."""
@@ -852,6 +902,7 @@ def gluon_decode_kernel(
                     stride_bt_col,
                     num_pages,
                     capacity,
+                    window,
                     seq_lens_ptr,
                     work_indptr_ptr,
                     works_ptr,
@@ -874,6 +925,7 @@ def gluon_decode_kernel(
                     STAGES,
                     HALF,
                     TRANSPOSED,
+                    HAS_WINDOW,
                 ),
             ),
             (
@@ -892,12 +944,15 @@ def gluon_decode_kernel(
                     num_pages,
                     capacity,
                     tile_pages,
+                    window,
                     seq_lens_ptr,
                     work_indptr_ptr,
                     works_ptr,
                     planned_lens_ptr,
                     STAGES,
                     PAGE_SIZE,
+                    QLEN,
+                    HAS_WINDOW,
                 ),
             ),
         ],
@@ -935,9 +990,10 @@ def variant(
     half: int | None = None,
     load_regs: int = DEFAULT_LOAD_REGS,
     transposed: bool | None = None,
+    window: bool = False,
 ) -> dict:
     """The kernel's constexprs for one case (``half``, ``transposed`` None: the defaults,
-    :func:`default_half` and :func:`default_transposed`)."""
+    :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window)."""
     if transposed is None:
         transposed = default_transposed(group, query_len)
     elif transposed and group * query_len > MAX_TRANSPOSED_ROWS:
@@ -956,6 +1012,7 @@ def variant(
         "HALF": half or default_half(scale_mode, transposed, page_size),
         "LOAD_REGS": load_regs,
         "TRANSPOSED": transposed,
+        "HAS_WINDOW": window,
     }
 
 
@@ -1018,6 +1075,7 @@ def compile_sm90a(
     maxnreg: int | None = DEFAULT_MAXNREG,
     load_regs: int = DEFAULT_LOAD_REGS,
     transposed: bool | None = None,
+    window: bool = False,
 ):
     """Compiles one variant (:func:`variant`'s arguments) for sm_90a without a GPU (Triton's
     bundled ptxas); returns the compiled kernel (``asm`` holds ``ptx`` and ``cubin``,
@@ -1035,6 +1093,7 @@ def compile_sm90a(
         half=half,
         load_regs=load_regs,
         transposed=transposed,
+        window=window,
     )
     signature, constexprs, attrs = _signature(constexprs)
     source = GluonASTSource(
@@ -1067,7 +1126,8 @@ def _descriptor(cache, kv_layout, page_size):
 
 
 def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=None):
-    """Why this family does not cover a decode call (checked arguments ``shape``), or None."""
+    """Why this family does not cover a decode call (checked arguments ``shape``), or None
+    (any ``sliding_window`` is covered)."""
     reason = _hopper_shape_reason(
         kv_dtype=shape.kv_dtype,
         query_len=shape.query_len,
@@ -1083,7 +1143,6 @@ def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=N
             plan.min_partition_size >= BLOCK_N,
             f"partitions of at least {BLOCK_N} tokens, got {plan.min_partition_size}",
         ),
-        (sliding_window is None, "no sliding window"),
     ]
     for cache in (k_cache, v_cache):
         if cache.shape[0] > 0:
@@ -1117,6 +1176,7 @@ def gluon_paged_decode(
     kv_layout="NHD",
     out=None,
     lse=None,
+    sliding_window=None,
     stages: int = DEFAULT_STAGES,
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
@@ -1138,7 +1198,14 @@ def gluon_paged_decode(
 
     given = dict(sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, out=out)
     shape = checks.check_decode_args(
-        q, k_cache, v_cache, block_table, seq_lens, plan=plan, sliding_window=None, **given
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        plan=plan,
+        sliding_window=sliding_window,
+        **given,
     )
     reason = unsupported(shape, q, plan, k_cache=k_cache, v_cache=v_cache, kv_layout=kv_layout)
     if reason:
@@ -1154,7 +1221,7 @@ def gluon_paged_decode(
     tuning = dict(
         stages=stages, half=half, maxnreg=maxnreg, load_regs=load_regs, transposed=transposed
     )
-    return _run_checked("gluon", checked, **given, lse=lse, **tuning)
+    return _run_checked("gluon", checked, **given, lse=lse, sliding_window=sliding_window, **tuning)
 
 
 def launch(
@@ -1172,6 +1239,7 @@ def launch(
     kv_layout,
     out,
     lse,
+    sliding_window=None,
     stages: int = DEFAULT_STAGES,
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
@@ -1197,6 +1265,7 @@ def launch(
         half=half,
         load_regs=load_regs,
         transposed=transposed,
+        window=sliding_window is not None,
     )
     gluon_decode_kernel[(plan.num_programs,)](
         q,
@@ -1213,6 +1282,7 @@ def launch(
         shape.num_pages,
         min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
         max(BLOCK_N // shape.page_size, 1),
+        sliding_window or 0,
         seq_lens,
         plan.metadata,
         plan.metadata[plan.works_offset :],
