@@ -249,8 +249,9 @@ def _softmax(
 ):
     """Softmax role: one tile of scores (tokens along ``TOK_AXIS``) through the online
     softmax in log2 units; a row attends tokens before the work's end, up to its position
-    ``pos`` and (``HAS_WINDOW``) after ``pos - window``. Returns the new max, row sums (``TOK_AXIS`` 0: per thread, summed once
-    a work; 1: summed per tile), probabilities and the rescale of the old state."""
+    ``pos`` and (``HAS_WINDOW``) after ``pos - window``. Returns the new max, row sums
+    (``TOK_AXIS`` 0: per thread, summed once a work; 1: summed per tile), probabilities and
+    the rescale of the old state."""
     ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
     s = s * gl.expand_dims(row_scale, TOK_AXIS)
     if SCALE_MODE == 2:
