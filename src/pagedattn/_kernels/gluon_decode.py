@@ -40,7 +40,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..api import LOG2E, _cache_strides, _hopper_shape_reason, _scale_strides, reduce_partials
+from ..api import (
+    HOPPER_HEAD_DIM,
+    LOG2E,
+    _cache_strides,
+    _hopper_shape_reason,
+    _scale_strides,
+    reduce_partials,
+)
 from .records import (
     FAULT_CAPACITY,
     FAULT_PAGE_ID,
@@ -54,7 +61,7 @@ from .records import (
 )
 
 BLOCK_N = 128  # tokens per tile
-HEAD_DIM = 128  # its scope in shapes: api._hopper_shape_reason
+HEAD_DIM = HOPPER_HEAD_DIM  # its scope in shapes: api._hopper_shape_reason
 MAX_TRANSPOSED_ROWS = 16  # query rows the transposed form takes (its MMAs' N)
 # Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
 SCALE_TENSOR, SCALE_TOKEN = 1, 2
