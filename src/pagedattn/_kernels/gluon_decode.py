@@ -431,8 +431,8 @@ def _epilogue(
     o_scale = gl.where(l_i > 0.0, v_unit / l_safe, 0.0)
     o_scale = gl.where(nan_rows, float("nan"), o_scale)
     o = o * gl.expand_dims(gl.convert_layout(o_scale, gl.SliceLayout(TOK_AXIS, o_l)), TOK_AXIS)
-    # Stored from the accumulator's layout: a layout conversion would take 8 KB of shared
-    # memory at 16 rows, the difference between 3 and 4 programs an SM.
+    # Stored from the accumulator's layout: a layout conversion would take shared memory
+    # (8 KB at 16 rows, 32 KB at 64) that two programs an SM do not have.
     dd = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(ROW_AXIS, o_l)), ROW_AXIS)
     rr = gl.arange(0, R, layout=gl.SliceLayout(TOK_AXIS, o_l))
     row_ok = gl.expand_dims(rr < ROWS, TOK_AXIS)
@@ -664,9 +664,10 @@ def _compute_partition(
             l_acc = gl.zeros([R], gl.float32, layout=row_l)
             o = gl.zeros([R, D], gl.float32, layout=o_l)
         v_norm = 1.0
-        # A tile's page id is loaded during the tile before, so no tile waits on its id for
-        # the check (the load warp reads the ids too, for the copies).
-        nxt_id = gl.load(bt_row + (token_start // PAGE_SIZE) * stride_bt_col, mask=n_tiles > 0)
+        if PAGE_SIZE >= BLOCK:
+            # A tile's page id is loaded during the tile before, so no tile waits on its id
+            # for the check (the load warp reads the ids too, for the copies).
+            nxt_id = gl.load(bt_row + (token_start // PAGE_SIZE) * stride_bt_col, mask=n_tiles > 0)
         for i in range(n_tiles):
             g = it + i
             buf = g % STAGES
@@ -693,12 +694,11 @@ def _compute_partition(
                     sc_tok = tok
                 else:
                     sc_tok = start + offs_pg
-                if PAGE_SIZE >= BLOCK:
-                    tok_page = gl.where(sc_tok < token_end, page, -1)
-                elif TRANSPOSED:
+                if PAGE_SIZE < BLOCK and TRANSPOSED:
+                    # Each token's page, from the gathered tile's one-a-thread layout.
                     tok_page = gl.convert_layout(gl.where(tok_pg < token_end, page, -1), tok_l)
                 else:
-                    tok_page = gl.where(tok_pg < token_end, page, -1)
+                    tok_page = gl.where(sc_tok < token_end, page, -1)
                 ks, vs = _token_scales(
                     k_scale_ptr,
                     stride_ks_page,
