@@ -119,6 +119,16 @@ def test_bad_case_is_a_value_error(field, value, match):
         cases.Case(**fields)
 
 
+def test_a_16_bit_cache_takes_a_query_of_its_dtype():
+    assert cases.Case(batch=1, context=16, kv_dtype="fp16", kv_scale=None).q_dtype == "fp16"
+    assert cases.Case(batch=1, context=16, kv_dtype="bf16", kv_scale=None).q_dtype == "bf16"
+    assert cases.Case(batch=1, context=16, q_dtype="fp16").q_dtype == "fp16"  # FP8: either
+    with pytest.raises(ValueError, match="q_dtype: a fp16 cache takes a query of its dtype"):
+        cases.Case(batch=1, context=16, kv_dtype="fp16", kv_scale=None, q_dtype="bf16")
+    grid = cases.grid(batches=[1], contexts=[64], query_lens=[1], kv_dtypes=["fp16"])
+    assert [c.q_dtype for c in grid] == ["fp16"]
+
+
 def test_kv_bytes():
     case = cases.Case(batch=16, context=8192)
     assert cases.kv_bytes(case) == 16 * 8192 * 1 * 128 * 2 * 1  # 33.6 MB, as in PEERS.md
@@ -214,10 +224,12 @@ def test_gluon_provider_takes_the_cases_its_family_covers():
         cases.Case(batch=1, context=64, kv_scale="per_token"),
         cases.Case(batch=1, context=64, query_len=4),
         cases.Case(batch=1, context=64, page_size=16),
+        cases.Case(batch=1, context=64, kv_dtype="bf16", kv_scale=None),
+        cases.Case(batch=1, context=64, kv_dtype="fp16", kv_scale=None, page_size=8),
     ):
         assert gluon.supports(covered) == (True, ""), covered
     for other, expected in (
-        (cases.Case(batch=1, context=64, kv_dtype="bf16", kv_scale=None), "kv dtype"),
+        (cases.Case(batch=1, context=64, head_dim=64), "head_dim 128"),
         (cases.Case(batch=1, context=64, query_len=8), "query_len at most 8 and"),
         (cases.Case(batch=1, context=64, page_size=4), "page_size at least 8"),
     ):

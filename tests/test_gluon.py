@@ -61,6 +61,15 @@ VARIANTS = (
         dict(group=8, page_size=16, window=True, write_lse=True),
         dict(group=16, query_len=4, window=True, scale_mode=2, write_lse=True),
     ]
+    + [
+        # 16-bit caches: both forms, gathered tiles, a window.
+        dict(group=g, query_len=n, page_size=p, kv_dtype=t, scale_mode=0, write_lse=True)
+        for (g, n, p), t in itertools.product(
+            ((1, 1, 1024), (8, 1, 1024), (16, 1, 1024), (16, 4, 1024), (32, 1, 1024), (8, 1, 16)),
+            ("bfloat16", "float16"),
+        )
+    ]
+    + [dict(group=4, query_len=4, page_size=16, kv_dtype="bfloat16", scale_mode=0, window=True)]
 )
 
 _BUILD = r"""
@@ -130,9 +139,10 @@ def builds():
 @pytest.mark.parametrize(
     "variant",
     VARIANTS,
-    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}{w}".format(
-        **{"query_len": 1, "page_size": 1024, "scale_mode": 1, **v},
+    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}{w}{t}".format(
+        **{"query_len": 1, "page_size": 1024, "scale_mode": 1, "write_lse": False, **v},
         w="-window" if v.get("window") else "",
+        t="-" + v["kv_dtype"] if "kv_dtype" in v else "",
     ),
 )
 def test_sm90a_build(builds, variant):
@@ -154,20 +164,32 @@ def test_sm90a_build(builds, variant):
 HEAD_DIM = 128
 NUM_KV_HEADS = 2
 PAGE_SIZE = 256
-TOL = 3e-3  # bf16 output
+# Caches the family takes: FP8 with either scale mode (a bf16 query), bf16 and fp16 (a query
+# of the cache's dtype).
+KV_KINDS = ["per_tensor", "per_token", "bf16", "fp16"]
+_16BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Relative error bounds, output in the query's dtype: FP8 2e-3 measured (Q K^T on FP8 tensor
+# cores, P V in fp16, bf16 rounding of the output); bf16 takes P in bf16 (~2e-3) besides
+# the output's rounding (~2e-3); fp16 ~3e-4 of each.
+TOL = {"per_tensor": 3e-3, "per_token": 3e-3, "bf16": 6e-3, "fp16": 1e-3}
 
 
-def _shape(group=8, kv_scale="per_tensor", head_dim=HEAD_DIM, page_size=PAGE_SIZE, query_len=1):
-    """An FP8 step's sizes, as the step builder and plan_decode both take them."""
+def _shape(group=8, kv="per_tensor", head_dim=HEAD_DIM, page_size=PAGE_SIZE, query_len=1):
+    """A step's sizes, as the step builder and plan_decode both take them (``kv``: one of
+    ``KV_KINDS``)."""
     return dict(
         query_len=query_len,
         num_q_heads=NUM_KV_HEADS * group,
         num_kv_heads=NUM_KV_HEADS,
         head_dim=head_dim,
         page_size=page_size,
-        kv_dtype=FP8_DTYPE,
-        kv_scale=kv_scale,
+        kv_dtype=_16BIT.get(kv, FP8_DTYPE),
+        kv_scale=None if kv in _16BIT else kv,
     )
+
+
+def _q_dtype(kv):
+    return _16BIT.get(kv, torch.bfloat16)
 
 
 def _decode(
@@ -179,7 +201,7 @@ def _decode(
     transposed=None,
     window=None,
     kv_layout="NHD",
-    kv_scale="per_tensor",
+    kv="per_tensor",
     num_programs=None,
     partition_size=None,
     gen=None,
@@ -189,7 +211,7 @@ def _decode(
     (returns the lengths passed to the kernel and those planned), decodes into poisoned
     outputs (``transposed``: the kernel's form, None its default); returns (out, lse,
     faults, q, cache, seq_lens)."""
-    shape = _shape(group, kv_scale, page_size=page_size, query_len=query_len)
+    shape = _shape(group, kv, page_size=page_size, query_len=query_len)
     cache, q = random_step(
         [max(n, 0) for n in lens],
         **shape,
@@ -197,6 +219,7 @@ def _decode(
         generator=gen,
         kv_layout=kv_layout,
         extra_pages=1,
+        q_dtype=_q_dtype(kv),
     )
     seq_lens, plan_lens = list(lens), list(lens)
     if edit is not None:
@@ -231,8 +254,9 @@ def _decode(
     return out, lse, fault_codes(plan), q, cache, seq_lens
 
 
-def _check(out, lse, q, cache, lens, valid, window=None):
-    """Rows of the ``valid`` sequences match the reference; padding rows are zeros."""
+def _check(out, lse, q, cache, lens, valid, window=None, kv="per_tensor"):
+    """Rows of the ``valid`` sequences match the reference within ``kv``'s bound; padding
+    rows are zeros."""
     ref_lens = torch.tensor(
         [n if b in valid else 0 for b, n in enumerate(lens)], dtype=torch.int32, device=DEVICE
     )
@@ -243,7 +267,7 @@ def _check(out, lse, q, cache, lens, valid, window=None):
     rows = [b for b in range(len(lens)) if b in valid and lens[b] > 0]
     if rows:
         err = rel_error(out[rows], ref[rows])
-        assert err < TOL, f"relative error {err:.2e} for sequences {rows}"
+        assert err < TOL[kv], f"relative error {err:.2e} for sequences {rows}"
         lse_err = (lse[rows].double() - ref_lse[rows].to(DEVICE)).abs().max().item()
         assert lse_err < 1e-2, f"LSE off by {lse_err:.2e}"
     for b in valid:
@@ -272,12 +296,12 @@ CASES = [
 
 @requires_gpu
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_scale", ["per_tensor", "per_token"])
+@pytest.mark.parametrize("kv", KV_KINDS)
 @pytest.mark.parametrize(
     "group,query_len,page_size,transposed", CASES, ids=lambda v: str(v).replace(" ", "")
 )
-def test_matches_reference(gen, group, query_len, page_size, transposed, kv_scale, kv_layout):
-    lens = [query_len, 127, 129, 1000, 4097, 0, 256, 8]
+def test_matches_reference(gen, group, query_len, page_size, transposed, kv, kv_layout):
+    lens = [query_len, 127, 129, 1000, 4097, 0, 256, 8, 65, 63]
     out, lse, faults, q, cache, _ = _decode(
         lens,
         group=group,
@@ -285,16 +309,19 @@ def test_matches_reference(gen, group, query_len, page_size, transposed, kv_scal
         page_size=page_size,
         transposed=transposed,
         kv_layout=kv_layout,
-        kv_scale=kv_scale,
+        kv=kv,
         gen=gen,
     )
     assert faults == {}
-    _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
+    _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
 
 
 @requires_gpu
+@pytest.mark.parametrize("kv", ["per_tensor", "bf16", "fp16"])
 @pytest.mark.parametrize("group,query_len,page_size", [(8, 1, 16), (16, 4, PAGE_SIZE), (4, 4, 16)])
-def test_split_new_tokens_and_gathered_tiles_through_the_reducer(gen, group, query_len, page_size):
+def test_split_new_tokens_and_gathered_tiles_through_the_reducer(
+    gen, group, query_len, page_size, kv
+):
     # Short partitions: the last one of a sequence may end before some rows' causal limit.
     lens = [4097, 129, 1000, 0, 8, 3000, 130]
     out, lse, faults, q, cache, _ = _decode(
@@ -304,10 +331,11 @@ def test_split_new_tokens_and_gathered_tiles_through_the_reducer(gen, group, que
         page_size=page_size,
         num_programs=6,
         partition_size=128,
+        kv=kv,
         gen=gen,
     )
     assert faults == {}
-    _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
+    _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
 
 
 @requires_gpu
@@ -323,6 +351,19 @@ def test_split_sequences_through_the_reducer(gen, num_programs, partition_size):
 
 
 @requires_gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+@pytest.mark.parametrize("num_programs,partition_size", [(2, 64), (6, 64), (16, 256)])
+def test_split_16_bit_caches_at_their_tile(gen, num_programs, partition_size, kv):
+    # Partitions of one or four 64-token tiles.
+    lens = [4097, 129, 1000, 0, 1, 3000, 64, 65]
+    out, lse, faults, q, cache, _ = _decode(
+        lens, num_programs=num_programs, partition_size=partition_size, kv=kv, gen=gen
+    )
+    assert faults == {}
+    _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
+
+
+@requires_gpu
 @pytest.mark.parametrize(
     "group,query_len,page_size,window",
     [
@@ -333,7 +374,8 @@ def test_split_sequences_through_the_reducer(gen, num_programs, partition_size):
         (16, 2, 64, 5),
     ],
 )
-def test_sliding_window(gen, group, query_len, page_size, window):
+@pytest.mark.parametrize("kv", ["per_tensor", "bf16"])
+def test_sliding_window(gen, group, query_len, page_size, window, kv):
     # Short partitions over few programs: whole works lie below some windows.
     lens = [4097, 129, 1000, 0, 8, 3000, 130]
     for num_programs, partition_size in ((None, None), (6, 128)):
@@ -345,10 +387,11 @@ def test_sliding_window(gen, group, query_len, page_size, window):
             window=window,
             num_programs=num_programs,
             partition_size=partition_size,
+            kv=kv,
             gen=gen,
         )
         assert faults == {}
-        _check(out, lse, q, cache, lens, valid=set(range(len(lens))), window=window)
+        _check(out, lse, q, cache, lens, valid=set(range(len(lens))), window=window, kv=kv)
 
 
 @requires_gpu
@@ -399,7 +442,8 @@ FAULTS = {
 @pytest.mark.parametrize("page_size,query_len", [(PAGE_SIZE, 1), (16, 1), (PAGE_SIZE, 4)])
 @pytest.mark.parametrize("num_programs", [None, 4])
 @pytest.mark.parametrize("kind", sorted(FAULTS))
-def test_each_fault_spoils_its_sequence_only(gen, kind, num_programs, page_size, query_len):
+@pytest.mark.parametrize("kv", ["per_tensor", "bf16"])
+def test_each_fault_spoils_its_sequence_only(gen, kv, kind, num_programs, page_size, query_len):
     edit, code = FAULTS[kind]
     lens = [1000, 1500, 0, 129]
     out, lse, faults, q, cache, seq_lens = _decode(
@@ -410,12 +454,13 @@ def test_each_fault_spoils_its_sequence_only(gen, kind, num_programs, page_size,
         page_size=page_size,
         query_len=query_len,
         group=4 if query_len > 1 else 8,
+        kv=kv,
         gen=gen,
     )
     assert set(faults) == {1} and faults[1] & code, faults
     rows = slice(query_len, 2 * query_len)  # sequence 1's
     assert bool(out[rows].isnan().all()) and bool(lse[rows].isnan().all())
-    _check(out, lse, q, cache, seq_lens, valid={0, 2, 3})
+    _check(out, lse, q, cache, seq_lens, valid={0, 2, 3}, kv=kv)
 
 
 @requires_gpu
@@ -435,6 +480,8 @@ def test_cache_with_no_pages(gen):
 def test_outside_its_scope_it_says_so(gen):
     with pytest.raises(ValueError, match="partitions of at least 128"):
         _decode([300], partition_size=64, gen=gen)
+    with pytest.raises(ValueError, match="partitions of at least 64"):
+        _decode([300], partition_size=32, kv="bf16", gen=gen)
 
 
 # -- the family behind paged_decode --
@@ -492,7 +539,9 @@ def test_auto_takes_the_preferred_family(gen):
     gluon = pagedattn.paged_decode(*args, **kw, backend="gluon")
     triton_out = pagedattn.paged_decode(*args, **kw, backend="triton")
     ref = paged_decode_torch(*args, **kw)
-    assert rel_error(gluon, ref) < TOL and rel_error(triton_out, ref) < TOL
+    assert (
+        rel_error(gluon, ref) < TOL["per_tensor"] and rel_error(triton_out, ref) < TOL["per_tensor"]
+    )
     assert not torch.equal(gluon, triton_out)  # the families' arithmetic differs
     default = {"triton": triton_out, "gluon": gluon}[pagedattn.api.AUTO_FAMILY]
     assert torch.equal(pagedattn.paged_decode(*args, **kw), default)
@@ -521,10 +570,12 @@ def test_bitwise_deterministic_over_20_runs(gen):
 
 @requires_gpu
 @pytest.mark.skipif(not _is_hopper(), reason="the Hopper family runs on sm_90")
-@pytest.mark.parametrize("kv_scale", ["per_tensor", "per_token"])
-def test_cuda_graph_replay_with_new_lengths(gen, kv_scale):
-    shape = _shape(group=16, kv_scale=kv_scale)
-    cache, q = random_step([2000, 700, 1500], **shape, device=DEVICE, generator=gen)
+@pytest.mark.parametrize("kv", KV_KINDS)
+def test_cuda_graph_replay_with_new_lengths(gen, kv):
+    shape = _shape(group=16, kv=kv)
+    cache, q = random_step(
+        [2000, 700, 1500], **shape, device=DEVICE, generator=gen, q_dtype=_q_dtype(kv)
+    )
     seq_lens = cache.seq_lens.clone()
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     plan = pagedattn.plan_decode(seq_lens, **shape)
@@ -549,21 +600,23 @@ def test_cuda_graph_replay_with_new_lengths(gen, kv_scale):
         torch.cuda.synchronize()
         ref = reference_decode(q, cache, seq_lens)
         rows = [b for b, n in enumerate(lens) if n > 0]
-        assert rel_error(out[rows], ref[rows]) < TOL, lens
+        assert rel_error(out[rows], ref[rows]) < TOL[kv], lens
         assert all(bool((out[b] == 0).all()) for b, n in enumerate(lens) if n == 0)
 
 
 # -- the default choice of family, and its plans (host logic; any machine) --
 
 
-def _choice(monkeypatch, *, kv_scale="per_tensor", preference=None, num_programs=None, **over):
+def _choice(monkeypatch, *, kv="per_tensor", preference=None, num_programs=None, **over):
     """(plan, family) for a small FP8 step as ``backend="auto"`` would plan and run it on a
     machine where the Hopper family can run (``_hopper_reason`` patched to None)."""
     from pagedattn import api, checks
 
     monkeypatch.setattr(api, "_hopper_reason", lambda device: None)
-    shape = dict(_shape(kv_scale=kv_scale), **over)
-    cache, q = random_step([300, 1, 0, 700], **shape, device=DEVICE, generator=None)
+    shape = dict(_shape(kv=kv), **over)
+    cache, q = random_step(
+        [300, 1, 0, 700], **shape, device=DEVICE, generator=None, q_dtype=_q_dtype(kv)
+    )
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     with api.using_backend(preference or "auto"):
         plan = pagedattn.plan_decode(
@@ -589,19 +642,23 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
     assert family == "gluon" and plan.num_programs == hopper_grid
     # The length hint alone would give 64-token partitions here; the family's tile is 128.
     assert plan.partition_size >= api.HOPPER_MIN_PARTITION
-    # Gathered tiles and more query rows, either scale mode: the Hopper family too.
+    # Gathered tiles and more query rows, either scale mode, 16-bit caches: the Hopper family
+    # too.
     for kw in (
         dict(page_size=16),
-        dict(page_size=16, kv_scale="per_token"),
+        dict(page_size=16, kv="per_token"),
         dict(query_len=4),
-        dict(query_len=4, kv_scale="per_token"),
+        dict(query_len=4, kv="per_token"),
+        dict(kv="bf16"),
+        dict(kv="fp16", page_size=16),
+        dict(kv="bf16", query_len=4),
     ):
         plan, family = _choice(monkeypatch, **kw)
         assert family == "gluon" and plan.num_programs == hopper_grid, kw
     # Per-token scales with few query rows on whole-tile pages, other shapes, or the portable
     # preference: the portable grid and family.
     for kw in (
-        dict(kv_scale="per_token"),
+        dict(kv="per_token"),
         dict(preference="triton"),
         dict(head_dim=64),
         dict(page_size=4),
@@ -615,5 +672,5 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
     plan, family = _choice(monkeypatch, num_programs=hopper_grid + NUM_KV_HEADS)
     assert family == "triton"
     # ... while the Hopper preference takes every step the family covers, on its grid.
-    plan, family = _choice(monkeypatch, kv_scale="per_token", preference="gluon")
+    plan, family = _choice(monkeypatch, kv="per_token", preference="gluon")
     assert family == "gluon" and plan.num_programs == hopper_grid

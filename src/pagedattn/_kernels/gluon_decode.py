@@ -1,11 +1,12 @@
 """Persistent paged decode kernel for Hopper (sm_90a) in Triton's Gluon dialect.
 
 The same work list, robustness checks and outputs as the portable kernel (``decode.py``); it
-covers FP8 e4m3 KV with per-tensor or per-token scales, a bf16 query, head_dim 128,
+covers FP8 e4m3 KV with per-tensor or per-token scales and a bf16 query, or bf16/fp16 KV
+with a query of its dtype (64-token tiles, K and V multiplied as stored), head_dim 128,
 query_len 1..8 with up to 64 query rows a kv head (row r: new token r // group, query head
 r % group; each new token attends keys up to its own position), pages of 8 tokens or more
-(a tile is 128 tokens: one page, or gathered out of 128 / page_size pages) and partitions of
-at least 128 tokens, NHD or HND, with or without a sliding window (``api._hopper_shape_reason``
+(a tile is 128 tokens of FP8, 64 of a 16-bit cache: one page, or gathered out of shorter
+pages) and partitions of at least a tile, NHD or HND, with or without a sliding window (``api._hopper_shape_reason``
 and :func:`unsupported` say what else).
 
 Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
@@ -15,9 +16,10 @@ Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
   page shorter than a tile) into the next of ``STAGES`` shared-memory slots once the compute
   warpgroup has handed it back, across work boundaries;
 - the compute warpgroup (``_compute_partition``), per work: the query as two e4m3 terms in
-  shared memory (``_load_query``); per tile: scores on FP8 wgmma with the keys as stored
-  (``_scores``), online softmax in log2 units (``_softmax``), values (V to fp16 through
-  shared memory, P V on fp16 wgmma; the slot handed back once K and V are read); then the
+  shared memory (``_load_query``; a 16-bit cache's query as it is); per tile: scores on FP8
+  wgmma with the keys as stored (``_scores``), online softmax in log2 units (``_softmax``),
+  values (V to fp16 through shared memory, P V on fp16 wgmma; a 16-bit V straight out of its
+  slot; the slot handed back once K and V are read); then the
   epilogue (``_epilogue``: fault bits, then ``out`` rows and LSE (natural log) or the work's
   partial slot (float32 rows, LSE in log2 units) for the shared reducer).
 
@@ -60,7 +62,8 @@ from .records import (
     WORK_TOKEN_START,
 )
 
-BLOCK_N = 128  # tokens per tile
+BLOCK_N = 128  # tokens per tile (FP8)
+BLOCK_N16 = 64  # tokens per tile of a 16-bit cache (the same bytes)
 HEAD_DIM = HOPPER_HEAD_DIM  # its scope in shapes: api._hopper_shape_reason
 MAX_TRANSPOSED_ROWS = 16  # query rows the transposed form takes (its MMAs' N)
 # Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
@@ -168,30 +171,37 @@ def _load_query(
     QLEN: gl.constexpr,
     R: gl.constexpr,
     D: gl.constexpr,
+    KV16: gl.constexpr,
     blk: gl.constexpr,
 ):
     """The kv head's query rows (row r: new token r // GROUP, query head r % GROUP of the
-    group) as hi + lo e4m3 terms in shared memory, each row scaled by a power of two (largest
-    value in [128, 256)); returns the row scales."""
+    group) in shared memory; returns the row scales. FP8 keys: as hi + lo e4m3 terms, each
+    row scaled by a power of two (largest value in [128, 256)); 16-bit keys (``KV16``): as
+    they are, in ``qhi_s`` (the query has the keys' dtype), scales of one."""
     rq = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     q_tok = seq.to(gl.int64) * QLEN + rq // GROUP
     heads = kv_head * GROUP + rq % GROUP
     row = q_ptr + q_tok * stride_q_tok + heads * stride_q_head
     q = gl.load(row[:, None] + dq[None, :], mask=(rq < QLEN * GROUP)[:, None], other=0.0)
-    x = q.to(gl.float32)
-    amax = gl.max(gl.abs(x), axis=1)
-    bits = gl.maximum(amax, 1e-30).to(gl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + 1 - 8
-    scale = ((e + 127) << 23).to(gl.float32, bitcast=True)
-    inv = ((127 - e) << 23).to(gl.float32, bitcast=True)
-    x = x * inv[:, None]
-    hi = _round_4_bits(x)
-    lo = x - hi
     # The previous work's MMAs are done in every warp before the buffers are overwritten.
-    gl.thread_barrier()
-    qhi_s.store(hi.to(gl.float8e4nv))
-    qlo_s.store(lo.to(gl.float8e4nv))
+    if KV16:
+        scale = gl.full([R], 1.0, gl.float32, layout=gl.SliceLayout(1, blk))
+        gl.thread_barrier()
+        qhi_s.store(q)
+    else:
+        x = q.to(gl.float32)
+        amax = gl.max(gl.abs(x), axis=1)
+        bits = gl.maximum(amax, 1e-30).to(gl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + 1 - 8
+        scale = ((e + 127) << 23).to(gl.float32, bitcast=True)
+        inv = ((127 - e) << 23).to(gl.float32, bitcast=True)
+        x = x * inv[:, None]
+        hi = _round_4_bits(x)
+        lo = x - hi
+        gl.thread_barrier()
+        qhi_s.store(hi.to(gl.float8e4nv))
+        qlo_s.store(lo.to(gl.float8e4nv))
     fence_async_shared()
     gl.thread_barrier()
     return scale
@@ -206,9 +216,11 @@ def _scores(
     R: gl.constexpr,
     s_l: gl.constexpr,
     TRANSPOSED: gl.constexpr,
+    KV16: gl.constexpr,
 ):
     """Scores role, issued asynchronously: S^T = K (Q_hi + Q_lo)^T (``TRANSPOSED``, the
-    keys as the A operand) or S = (Q_hi + Q_lo) K^T (the keys as the B operand)."""
+    keys as the A operand) or S = (Q_hi + Q_lo) K^T (the keys as the B operand); with
+    16-bit keys (``KV16``) the query is one term, ``qhi_s``."""
     if TRANSPOSED:
         s = warpgroup_mma(
             k_tile,
@@ -217,13 +229,15 @@ def _scores(
             use_acc=False,
             is_async=True,
         )
-        s = warpgroup_mma(k_tile, qlo_s.permute((1, 0)), s, is_async=True)
+        if not KV16:
+            s = warpgroup_mma(k_tile, qlo_s.permute((1, 0)), s, is_async=True)
     else:
         k_t = k_tile.permute((1, 0))
         s = warpgroup_mma(
             qhi_s, k_t, gl.zeros([R, BLOCK], gl.float32, layout=s_l), use_acc=False, is_async=True
         )
-        s = warpgroup_mma(qlo_s, k_t, s, is_async=True)
+        if not KV16:
+            s = warpgroup_mma(qlo_s, k_t, s, is_async=True)
     return s
 
 
@@ -236,6 +250,18 @@ def _convert_v(v_tile, v16_s, h, start, token_end, HALF: gl.constexpr, blk: gl.c
         tok = start + h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
         v = gl.where((tok < token_end)[:, None], v, 0.0)
     v16_s.store(v)
+
+
+@gluon.jit
+def _clear_tail(v_tile, start, token_end, BLOCK: gl.constexpr, blk: gl.constexpr):
+    """16-bit V, read by the MMA from its slot: in a work's last tile, the slot's tokens past
+    the work's end (whatever they hold: P is 0 there, but 0 x NaN is not) become zeros."""
+    if start + BLOCK > token_end:
+        tok = start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blk))
+        v = v_tile.load(blk)
+        v_tile.store(gl.where((tok < token_end)[:, None], v, 0.0))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -330,8 +356,8 @@ def _stage_p(
     TOK_AXIS: gl.constexpr,
     o_l: gl.constexpr,
 ):
-    """P as the P V MMA's operand (``TOK_AXIS`` 0: P^T to shared memory; 1: fp16 registers,
-    returned) and the accumulator rescaled; returns (o, v_norm, p). Per-token scales: P
+    """P as the P V MMA's operand in ``p_s``'s dtype (that of V as multiplied: fp16, or the
+    16-bit cache's) (``TOK_AXIS`` 0: P^T to shared memory; 1: registers, returned) and the accumulator rescaled; returns (o, v_norm, p). Per-token scales: P
     times the tokens' V scales relative to the tile's largest (out of fp16 subnormals); the
     accumulator is kept in units of the last tile's."""
     ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
@@ -344,7 +370,7 @@ def _stage_p(
         p = p * gl.expand_dims(vs * inv_vs_max, ROW_AXIS)
     else:
         alpha_o = alpha
-    p16 = p.to(gl.float16)
+    p16 = p.to(p_s.dtype)
     if TOK_AXIS == 0:
         p_s.store(gl.permute(p16, (1, 0)))
     else:
@@ -383,6 +409,19 @@ def _values(
         o = warpgroup_mma(
             v16_s.permute((1, 0)), p_s.slice(h * HALF, HALF, dim=1).permute((1, 0)), o
         )
+    return o
+
+
+@gluon.jit
+def _values16(
+    o, v_tile, p_s, empty, slot, start, token_end, BLOCK: gl.constexpr, blk: gl.constexpr
+):
+    """Values role of the transposed form with 16-bit V: O^T += V^T P^T straight out of the
+    slot, which is handed back once the MMA is done."""
+    _clear_tail(v_tile, start, token_end, BLOCK, blk)
+    o = warpgroup_mma(v_tile.permute((1, 0)), p_s.permute((1, 0)), o)
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(slot))
     return o
 
 
@@ -477,13 +516,18 @@ def _load_partition(
     PAGE_SIZE: gl.constexpr,
     QLEN: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    KV16: gl.constexpr,
+    HALVES: gl.constexpr,
 ):
     """Load warp: walks the program's works and their tiles, copying each tile's K and V into
     the next of ``STAGES`` slots once the compute warpgroup has handed it back (``empty``),
     across work boundaries: one bulk copy per tile and tensor, or, from pages shorter than
     a tile, one per page (a gathered tile; pages past the work's end are read as page 0).
-    Bad page ids are read as page 0 (the compute side flags them)."""
-    BLOCK: gl.constexpr = 128
+    Bad page ids are read as page 0 (the compute side flags them). Tiles of 128 tokens, 64
+    with a 16-bit cache (``KV16``); gathered 16-bit tiles take ``HALVES`` = 2 copies a page,
+    one a half of head_dim, as a tile's 256-byte rows lie in shared memory as two halves of
+    the whole tile (the 128-byte swizzle's span)."""
+    BLOCK: gl.constexpr = 128 - 64 * KV16
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
     pid = gl.program_id(0)
     work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
@@ -513,8 +557,8 @@ def _load_partition(
                 in_page = start % PAGE_SIZE
             # Slots start free: the first pass waits on the phase before the barrier's first.
             mbarrier.wait(empty.index(buf), ((g // STAGES) & 1) ^ 1)
-            mbarrier.expect(kready.index(buf), SUB * k_desc.block_type.nbytes)
-            mbarrier.expect(vready.index(buf), SUB * v_desc.block_type.nbytes)
+            mbarrier.expect(kready.index(buf), SUB * HALVES * k_desc.block_type.nbytes)
+            mbarrier.expect(vready.index(buf), SUB * HALVES * v_desc.block_type.nbytes)
             if SUB == 1:
                 at = [page, in_page, kv_head, 0]
                 tma.async_copy_global_to_shared(k_desc, at, kready.index(buf), k_s.index(buf))
@@ -531,10 +575,13 @@ def _load_partition(
                         other=0,
                     )
                     page, _ = _checked_page(page_id, num_pages)
-                    at = [page, 0, kv_head, 0]
-                    box = buf * SUB + j
-                    tma.async_copy_global_to_shared(k_desc, at, kready.index(buf), k_s.index(box))
-                    tma.async_copy_global_to_shared(v_desc, at, vready.index(buf), v_s.index(box))
+                    for h in gl.static_range(HALVES):
+                        at = [page, 0, kv_head, h * (128 // HALVES)]
+                        box = (buf * HALVES + h) * SUB + j
+                        k_box = k_s.index(box)
+                        v_box = v_s.index(box)
+                        tma.async_copy_global_to_shared(k_desc, at, kready.index(buf), k_box)
+                        tma.async_copy_global_to_shared(v_desc, at, vready.index(buf), v_box)
         it += n_tiles
 
 
@@ -589,26 +636,29 @@ def _compute_partition(
     HALF: gl.constexpr,
     TRANSPOSED: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    KV16: gl.constexpr,
 ):
     """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
     P V out of the slot the load warp filled, handing the slot back once K and V are read;
     then the epilogue. ``TRANSPOSED``: S^T = K Q^T with the query rows as the MMAs' N
     dimension (8 or 16), row sums per thread, P through shared memory; else S = Q K^T with
-    64 query rows as M, row sums per tile, P in registers."""
-    BLOCK: gl.constexpr = 128
+    64 query rows as M, row sums per tile, P in registers. ``KV16``: a 16-bit cache in
+    64-token tiles, its K and V multiplied as they are in the slot."""
+    BLOCK: gl.constexpr = 128 - 64 * KV16
     D: gl.constexpr = 128
+    KW: gl.constexpr = 32 - 16 * KV16  # the MMAs' K step: 32 bytes
     TOK_AXIS: gl.constexpr = 1 - TRANSPOSED  # of the scores (and the head_dim of O)
     ROW_AXIS: gl.constexpr = TRANSPOSED
     if TRANSPOSED:
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 32]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, KW]
         )
         o_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16]
         )
     else:
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, KW]
         )
         o_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
@@ -651,7 +701,19 @@ def _compute_partition(
         else:
             page_fault = offs_pg < 0  # gathered tiles: a flag a token (all False)
         q_scale = _load_query(
-            q_ptr, stride_q_tok, stride_q_head, seq, kv_head, qhi_s, qlo_s, GROUP, QLEN, R, D, blk
+            q_ptr,
+            stride_q_tok,
+            stride_q_head,
+            seq,
+            kv_head,
+            qhi_s,
+            qlo_s,
+            GROUP,
+            QLEN,
+            R,
+            D,
+            KV16,
+            blk,
         )
         row_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), row_l)
         # Absolute position of each row's new token: it attends keys up to it.
@@ -717,9 +779,11 @@ def _compute_partition(
                 ks = offs_s
                 vs = offs_s
             mbarrier.wait(kready.index(buf), ph)
-            s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED)
+            s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
             mbarrier.wait(vready.index(buf), ph)
-            if TRANSPOSED:
+            if KV16:
+                s = warpgroup_mma_wait(0, deps=[s])
+            elif TRANSPOSED:
                 _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
                 s = warpgroup_mma_wait(0, deps=[s])
             else:
@@ -754,7 +818,14 @@ def _compute_partition(
             if SCALE_MODE == 2 and not TRANSPOSED:
                 vs = gl.convert_layout(vs, tok_l)
             o, v_norm, p16 = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, TOK_AXIS, o_l)
-            if TRANSPOSED:
+            if KV16 and TRANSPOSED:
+                o = _values16(o, v2.index(buf), p_s, empty, buf, start, token_end, BLOCK, blk)
+            elif KV16:
+                _clear_tail(v2.index(buf), start, token_end, BLOCK, blk)
+                o = warpgroup_mma(p16, v2.index(buf), o)
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(buf))
+            elif TRANSPOSED:
                 o = _values(
                     o, v2.index(buf), v16_s, p_s, empty, buf, start, token_end, BLOCK, HALF, blk
                 )
@@ -803,7 +874,7 @@ def _compute_partition(
 
 @gluon.jit
 def gluon_decode_kernel(
-    q_ptr,  # [batch * query_len, num_q_heads, head_dim] bf16, unit stride on head_dim
+    q_ptr,  # [batch * query_len, num_q_heads, head_dim] bf16 (or the 16-bit cache's dtype)
     stride_q_tok,
     stride_q_head,
     k_desc,  # bulk-copy descriptors over [num_pages, page_size, num_kv_heads, head_dim]
@@ -821,7 +892,7 @@ def gluon_decode_kernel(
     stride_bt_col,
     num_pages,
     capacity,
-    tile_pages,  # bulk copies a tile and tensor: max(128 // page_size, 1)
+    tile_pages,  # bulk copies a tile and tensor: max(tile tokens // page_size, 1)
     window,  # sliding window in tokens (used if HAS_WINDOW)
     seq_lens_ptr,
     work_indptr_ptr,
@@ -847,31 +918,46 @@ def gluon_decode_kernel(
     LOAD_REGS: gl.constexpr,
     TRANSPOSED: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    KV16: gl.constexpr,
 ):
     """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
-    thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works."""
-    BLOCK: gl.constexpr = 128
+    thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works.
+    ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype) in 64-token tiles."""
+    BLOCK: gl.constexpr = 128 - 64 * KV16
     D: gl.constexpr = 128
-    SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # bulk copies a tile
-    # V's fp16 copy: HALF tokens at a time (transposed), else the whole tile.
+    KV_T: gl.constexpr = k_desc.dtype
+    SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # pages a tile
+    # Copies a page: gathered 16-bit tiles are copied a half of head_dim at a time (see
+    # _load_partition).
+    HALVES: gl.constexpr = 1 + KV16 * (SUB > 1)
+    # V's fp16 copy (FP8 only): HALF tokens at a time (transposed), else the whole tile.
     V16_ROWS: gl.constexpr = BLOCK - (BLOCK - HALF) * TRANSPOSED
     P_ROWS: gl.constexpr = 8 + (R - 8) * TRANSPOSED  # P through shared memory (transposed)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P_ROWS, BLOCK], gl.float16)
-    v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([V16_ROWS, D], gl.float16)
-    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float8e4nv)
-    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], k_desc.layout)
-    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 1, BLOCK, 1, D], v_desc.layout)
-    k2 = k_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
-    v2 = v_s._reinterpret(gl.float8e4nv, [STAGES, BLOCK, D], kv_sl)
-    # The load warp's view: one box a page (a tile's SUB boxes back to back).
-    box_shape: gl.constexpr = [STAGES * SUB, 1, BLOCK // SUB, 1, D]
-    k_boxes = k_s._reinterpret(gl.float8e4nv, box_shape, k_desc.layout)
-    v_boxes = v_s._reinterpret(gl.float8e4nv, box_shape, v_desc.layout)
-    v16_s = gl.allocate_shared_memory(gl.float16, [V16_ROWS, D], v16_sl)
-    p_s = gl.allocate_shared_memory(gl.float16, [P_ROWS, BLOCK], p_sl)
-    qhi_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
-    qlo_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], KV_T)
+    k_s = gl.allocate_shared_memory(KV_T, [STAGES, 1, BLOCK, 1, D], k_desc.layout)
+    v_s = gl.allocate_shared_memory(KV_T, [STAGES, 1, BLOCK, 1, D], v_desc.layout)
+    k2 = k_s._reinterpret(KV_T, [STAGES, BLOCK, D], kv_sl)
+    v2 = v_s._reinterpret(KV_T, [STAGES, BLOCK, D], kv_sl)
+    # The load warp's view: one box a copy (a tile's boxes back to back).
+    box_shape: gl.constexpr = [STAGES * SUB * HALVES, 1, BLOCK // SUB, 1, D // HALVES]
+    k_boxes = k_s._reinterpret(KV_T, box_shape, k_desc.layout)
+    v_boxes = v_s._reinterpret(KV_T, box_shape, v_desc.layout)
+    if KV16:
+        # K and V multiplied as they are: the query in one term, P in V's dtype.
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], KV_T)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P_ROWS, BLOCK], KV_T)
+        p_s = gl.allocate_shared_memory(KV_T, [P_ROWS, BLOCK], p_sl)
+        qhi_s = gl.allocate_shared_memory(KV_T, [R, D], q_sl)
+        qlo_s = qhi_s  # not used
+        v16_s = qhi_s  # not used
+    else:
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P_ROWS, BLOCK], gl.float16)
+        v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([V16_ROWS, D], gl.float16)
+        v16_s = gl.allocate_shared_memory(gl.float16, [V16_ROWS, D], v16_sl)
+        p_s = gl.allocate_shared_memory(gl.float16, [P_ROWS, BLOCK], p_sl)
+        qhi_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
+        qlo_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
     kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -934,6 +1020,7 @@ def gluon_decode_kernel(
                     HALF,
                     TRANSPOSED,
                     HAS_WINDOW,
+                    KV16,
                 ),
             ),
             (
@@ -961,6 +1048,8 @@ def gluon_decode_kernel(
                     PAGE_SIZE,
                     QLEN,
                     HAS_WINDOW,
+                    KV16,
+                    HALVES,
                 ),
             ),
         ],
@@ -976,15 +1065,30 @@ def gluon_decode_kernel(
 # -- host side --
 
 
-def box_tokens(page_size: int) -> int:
-    """Tokens of one bulk copy: a whole tile, or a whole page shorter than a tile."""
-    return min(page_size, BLOCK_N)
+# The kernel's element types of the caches it takes.
+KV_TYPES = {
+    torch.float8_e4m3fn: gl.float8e4nv,
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+}
 
 
-def kv_block_layout(page_size: int):
-    """Shared-memory layout of one K or V box ([1, box_tokens, 1, HEAD_DIM] e4m3)."""
-    box = [1, box_tokens(page_size), 1, HEAD_DIM]
-    return gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+def tile_tokens(kv_dtype: torch.dtype) -> int:
+    """Tokens of one tile: 128 of an FP8 cache, 64 of a 16-bit one."""
+    return BLOCK_N if kv_dtype == torch.float8_e4m3fn else BLOCK_N16
+
+
+def box_shape(page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn) -> list[int]:
+    """The box of one bulk copy, [1, tokens, 1, dims]: a whole tile, or a whole page shorter
+    than a tile (half of head_dim of a 16-bit cache, see ``_load_partition``)."""
+    tile = tile_tokens(kv_dtype)
+    halves = 2 if kv_dtype != torch.float8_e4m3fn and page_size < tile else 1
+    return [1, min(page_size, tile), 1, HEAD_DIM // halves]
+
+
+def kv_block_layout(page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn):
+    """Shared-memory layout of one K or V box (:func:`box_shape`)."""
+    return gl.NVMMASharedLayout.get_default_for(box_shape(page_size, kv_dtype), KV_TYPES[kv_dtype])
 
 
 def variant(
@@ -999,9 +1103,19 @@ def variant(
     load_regs: int = DEFAULT_LOAD_REGS,
     transposed: bool | None = None,
     window: bool = False,
+    kv_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> dict:
     """The kernel's constexprs for one case (``half``, ``transposed`` None: the defaults,
-    :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window)."""
+    :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window;
+    ``kv_dtype``: the cache's, a 16-bit one (bf16 or fp16) with a query of its dtype and
+    ``scale_mode`` 0)."""
+    kv16 = kv_dtype != torch.float8_e4m3fn
+    if kv_dtype not in KV_TYPES:
+        raise ValueError(f"kv_dtype: expected one of {list(KV_TYPES)}, got {kv_dtype}")
+    if kv16 != (scale_mode == 0):
+        raise ValueError(
+            f"scale_mode: 0 (no scales) for a 16-bit cache only, got {scale_mode} with {kv_dtype}"
+        )
     if transposed is None:
         transposed = default_transposed(group, query_len)
     elif transposed and group * query_len > MAX_TRANSPOSED_ROWS:
@@ -1021,6 +1135,7 @@ def variant(
         "LOAD_REGS": load_regs,
         "TRANSPOSED": transposed,
         "HAS_WINDOW": window,
+        "KV16": kv16,
     }
 
 
@@ -1030,15 +1145,18 @@ def variant(
 _ALIGNED_INTS = ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_lse_tok")
 
 
-def _signature(constexprs):
+def _signature(constexprs, kv_dtype):
     """Argument types and alignment attributes of one variant (``constexprs``: from
     :func:`variant`), as a launch with contiguous q, out and block table specialises them,
     for compiling without a GPU."""
     page_size = constexprs["PAGE_SIZE"]
-    box = box_tokens(page_size)
-    desc = f"tensordesc<fp8e4nv[1, {box}, 1, {HEAD_DIM}],{kv_block_layout(page_size)!r}>"
+    box = box_shape(page_size, kv_dtype)
+    kv = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    layout = kv_block_layout(page_size, kv_dtype)
+    desc = f"tensordesc<{kv[kv_dtype]}{box},{layout!r}>"
+    q = "*fp16" if kv_dtype == torch.float16 else "*bf16"
     types = {
-        "q_ptr": "*bf16",
+        "q_ptr": q,
         "k_desc": desc,
         "v_desc": desc,
         "k_scale_ptr": "*fp32",
@@ -1050,14 +1168,14 @@ def _signature(constexprs):
         "planned_lens_ptr": "*i32",
         "faults_ptr": "*i32",
         "partial_lse_ptr": "*fp32",
-        "out_ptr": "*bf16",
+        "out_ptr": q,
         "lse_ptr": "*fp32",
         "partial_out_ptr": "*fp32",
         "qk_scale": "fp32",
     }
     # A launch specialises ints equal to 1 as constants.
     constexprs = {**constexprs, "stride_bt_col": 1}
-    tile_pages = max(BLOCK_N // page_size, 1)
+    tile_pages = max(tile_tokens(kv_dtype) // page_size, 1)
     if tile_pages == 1:
         constexprs["tile_pages"] = 1
     signature, attrs = {}, {}
@@ -1084,10 +1202,14 @@ def compile_sm90a(
     load_regs: int = DEFAULT_LOAD_REGS,
     transposed: bool | None = None,
     window: bool = False,
+    kv_dtype: torch.dtype | str = torch.float8_e4m3fn,
 ):
-    """Compiles one variant (:func:`variant`'s arguments) for sm_90a without a GPU (Triton's
-    bundled ptxas); returns the compiled kernel (``asm`` holds ``ptx`` and ``cubin``,
-    ``metadata.shared`` the bytes of shared memory)."""
+    """Compiles one variant (:func:`variant`'s arguments; ``kv_dtype`` also by its name in
+    ``torch``) for sm_90a without a GPU (Triton's bundled ptxas); returns the compiled
+    kernel (``asm`` holds ``ptx`` and ``cubin``, ``metadata.shared`` the bytes of shared
+    memory)."""
+    if isinstance(kv_dtype, str):
+        kv_dtype = getattr(torch, kv_dtype)
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -1102,8 +1224,9 @@ def compile_sm90a(
         load_regs=load_regs,
         transposed=transposed,
         window=window,
+        kv_dtype=kv_dtype,
     )
-    signature, constexprs, attrs = _signature(constexprs)
+    signature, constexprs, attrs = _signature(constexprs, kv_dtype)
     source = GluonASTSource(
         gluon_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs
     )
@@ -1128,8 +1251,8 @@ def _descriptor(cache, kv_layout, page_size):
         cache,
         shape=[cache.shape[0], page_size, heads, HEAD_DIM],
         strides=strides,
-        block_shape=[1, box_tokens(page_size), 1, HEAD_DIM],
-        layout=kv_block_layout(page_size),
+        block_shape=box_shape(page_size, cache.dtype),
+        layout=kv_block_layout(page_size, cache.dtype),
     )
 
 
@@ -1145,11 +1268,14 @@ def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=N
     )
     if reason is not None:
         return reason
+    tile = tile_tokens(shape.kv_dtype)
+    fp8 = shape.kv_dtype == torch.float8_e4m3fn
     needs = [
-        (q.dtype == torch.bfloat16, f"a bfloat16 query, got {q.dtype}"),
+        # (A 16-bit cache has the query's dtype: checks.check_decode_args.)
+        (not fp8 or q.dtype == torch.bfloat16, f"a bfloat16 query with FP8 KV, got {q.dtype}"),
         (
-            plan.min_partition_size >= BLOCK_N,
-            f"partitions of at least {BLOCK_N} tokens, got {plan.min_partition_size}",
+            plan.min_partition_size >= tile,
+            f"partitions of at least {tile} tokens, got {plan.min_partition_size}",
         ),
     ]
     for cache in (k_cache, v_cache):
@@ -1159,7 +1285,7 @@ def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=N
                 (
                     strides[3] == 1
                     and cache.data_ptr() % 16 == 0
-                    and all(s % 16 == 0 for s in strides[:3]),
+                    and all(s * cache.element_size() % 16 == 0 for s in strides[:3]),
                     "16-byte aligned cache base and page/slot/head strides, unit head_dim "
                     f"stride (bulk copies), got strides {tuple(cache.stride())}",
                 )
@@ -1263,17 +1389,22 @@ def launch(
     group = shape.num_q_heads // shape.num_kv_heads
     if q.stride(2) != 1:
         q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
+    if shape.kv_dtype != torch.float8_e4m3fn:
+        scale_mode = 0
+    else:
+        scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
     constexprs = variant(
         group=group,
         query_len=shape.query_len,
         page_size=shape.page_size,
-        scale_mode=SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR,
+        scale_mode=scale_mode,
         write_lse=lse is not None,
         stages=stages,
         half=half,
         load_regs=load_regs,
         transposed=transposed,
         window=sliding_window is not None,
+        kv_dtype=shape.kv_dtype,
     )
     gluon_decode_kernel[(plan.num_programs,)](
         q,
@@ -1281,15 +1412,15 @@ def launch(
         q.stride(1),
         _descriptor(k_cache, kv_layout, shape.page_size),
         _descriptor(v_cache, kv_layout, shape.page_size),
-        k_scale,
+        k_scale if k_scale is not None else plan.partials,  # a 16-bit cache: never read
         *_scale_strides(k_scale, kv_layout),
-        v_scale,
+        v_scale if v_scale is not None else plan.partials,
         *_scale_strides(v_scale, kv_layout),
         block_table,
         *block_table.stride(),
         shape.num_pages,
         min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
-        max(BLOCK_N // shape.page_size, 1),
+        max(tile_tokens(shape.kv_dtype) // shape.page_size, 1),
         sliding_window or 0,
         seq_lens,
         plan.metadata,

@@ -54,7 +54,7 @@ class Case:
     num_q_heads: int = 16
     num_kv_heads: int = 1
     head_dim: int = 128
-    q_dtype: str = "bf16"
+    q_dtype: str | None = None  # None: the 16-bit cache's dtype, else bf16
     ragged: tuple[int, int] | None = None
     seed: int = RAGGED_SEED
     num_programs: int | None = None
@@ -64,6 +64,8 @@ class Case:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if self.q_dtype is None:
+            object.__setattr__(self, "q_dtype", "fp16" if self.kv_dtype == "fp16" else "bf16")
         if self.q_dtype not in Q_DTYPES:
             raise ValueError(f"q_dtype: expected one of {tuple(Q_DTYPES)}, got {self.q_dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
@@ -74,6 +76,10 @@ class Case:
             )
         if self.kv_dtype != "fp8" and self.kv_scale is not None:
             raise ValueError(f"kv_scale: expected none for {self.kv_dtype}, got {self.kv_scale!r}")
+        if self.kv_dtype != "fp8" and self.q_dtype != self.kv_dtype:
+            raise ValueError(
+                f"q_dtype: a {self.kv_dtype} cache takes a query of its dtype, got {self.q_dtype}"
+            )
         shortest = self.ragged[0] if self.ragged else self.context  # holds the new tokens too
         if shortest < self.query_len:
             raise ValueError(f"context ({shortest}) must be >= query_len ({self.query_len})")
