@@ -54,6 +54,26 @@ def test_padding_slots_give_zero_rows_and_read_no_kv():
     testing.check_case(case)
 
 
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        GEOMETRY,
+        # One the Hopper family takes on a GPU: a 128-token tile gathers eight 16-token pages.
+        dataclasses.replace(
+            GEOMETRY, query_len=1, group=8, head_dim=128, page_size=16, kv_scale="per_tensor"
+        ),
+    ],
+    ids=["page4", "page16-d128"],
+)
+def test_table_columns_past_a_sequence_are_not_read(geometry):
+    case = _case([9, 37, 0, 21], geometry)
+    # Engines may pad a table row past the sequence's pages with -1.
+    for b, n in enumerate(case.lens):
+        case.block_table[b, -(-n // geometry.page_size) :] = -1
+    assert bool((case.block_table == -1).any()) and not testing.expected_faults(case)
+    testing.check_case(case)
+
+
 def test_all_padding_slots():
     case = _case([0, 0, 0])
     out, lse, faults = testing.run_case(case)

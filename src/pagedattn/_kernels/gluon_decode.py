@@ -501,6 +501,7 @@ def _load_partition(
     kready,
     vready,
     empty,
+    bad_s,
     block_table_ptr,
     stride_bt,
     stride_bt_col,
@@ -518,23 +519,28 @@ def _load_partition(
     HAS_WINDOW: gl.constexpr,
     KV16: gl.constexpr,
     HALVES: gl.constexpr,
+    FLAGS: gl.constexpr,
 ):
     """Load warp: walks the program's works and their tiles, copying each tile's K and V into
     the next of ``STAGES`` slots once the compute warpgroup has handed it back (``empty``),
     across work boundaries: one bulk copy per tile and tensor, or, from pages shorter than
-    a tile, one per page (a gathered tile; pages past the work's end are read as page 0).
-    Bad page ids are read as page 0 (the compute side flags them). Tiles of 128 tokens, 64
-    with a 16-bit cache (``KV16``); gathered 16-bit tiles take ``HALVES`` = 2 copies a page,
-    one a half of head_dim, as a tile's 256-byte rows lie in shared memory as two halves of
-    the whole tile (the 128-byte swizzle's span)."""
+    a tile, one per page (a gathered tile; pages past the work's end are not read, and copied
+    as page 0). Bad page ids are read as page 0 and flagged: ``FLAGS`` (no per-token scales),
+    by this warp, in ``bad_s[slot]`` (a tile whose ids before the work's end lie outside
+    [0, num_pages)), released to the compute warpgroup by a second arrival on the slot's K
+    barrier; else by the compute warpgroup, which reads the ids for the scales. Tiles of 128
+    tokens, 64 with a 16-bit cache (``KV16``); gathered 16-bit tiles take ``HALVES`` = 2
+    copies a page, one a half of head_dim, as a tile's 256-byte rows lie in shared memory as
+    two halves of the whole tile (the 128-byte swizzle's span)."""
     BLOCK: gl.constexpr = 128 - 64 * KV16
+    flag_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
     pid = gl.program_id(0)
     work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
     work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
     it = 0
     for w in range(work_begin, work_end):
-        seq, kv_head, token_start, _, _, _, _, _, n_tiles = _work_bounds(
+        seq, kv_head, token_start, token_end, _, _, _, _, n_tiles = _work_bounds(
             works_ptr,
             w,
             seq_lens_ptr,
@@ -553,7 +559,7 @@ def _load_partition(
             start = token_start + i * BLOCK
             if SUB == 1:
                 page_id = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
-                page, _ = _checked_page(page_id, num_pages)
+                page, bad = _checked_page(page_id, num_pages)
                 in_page = start % PAGE_SIZE
             # Slots start free: the first pass waits on the phase before the barrier's first.
             mbarrier.wait(empty.index(buf), ((g // STAGES) & 1) ^ 1)
@@ -566,15 +572,18 @@ def _load_partition(
             else:
                 # One page a copy, K's then V's; a runtime count (SUB), so not unrolled.
                 col = start // PAGE_SIZE
+                bad = token_end < 0  # False
                 for j in range(tile_pages):
-                    # Columns past the table's width are not read (the compute side masks
-                    # what lies past the work's end).
+                    # Columns past the work's end are not read but copied as page 0 (the
+                    # compute side masks those tokens); the work's end is within the table's
+                    # width (_work_bounds).
                     page_id = gl.load(
                         bt_row + (col + j) * stride_bt_col,
-                        mask=(col + j) * PAGE_SIZE < capacity,
+                        mask=(col + j) * PAGE_SIZE < token_end,
                         other=0,
                     )
-                    page, _ = _checked_page(page_id, num_pages)
+                    page, bad_j = _checked_page(page_id, num_pages)
+                    bad = bad | bad_j
                     for h in gl.static_range(HALVES):
                         at = [page, 0, kv_head, h * (128 // HALVES)]
                         box = (buf * HALVES + h) * SUB + j
@@ -582,6 +591,10 @@ def _load_partition(
                         v_box = v_s.index(box)
                         tma.async_copy_global_to_shared(k_desc, at, kready.index(buf), k_box)
                         tma.async_copy_global_to_shared(v_desc, at, vready.index(buf), v_box)
+            if FLAGS:
+                flag = gl.full([1], 0, gl.int32, layout=flag_l) + bad.to(gl.int32)
+                bad_s.index(buf).store(flag)
+                mbarrier.arrive(kready.index(buf))
         it += n_tiles
 
 
@@ -599,6 +612,7 @@ def _compute_partition(
     kready,
     vready,
     empty,
+    bad_s,
     k_scale_ptr,
     stride_ks_page,
     stride_ks_slot,
@@ -668,6 +682,7 @@ def _compute_partition(
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     # Page ids of a gathered tile, one token a thread.
     pg_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    flag_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     if SCALE_MODE == 1:
         k_scale = gl.load(k_scale_ptr)
         v_scale = gl.load(v_scale_ptr)
@@ -696,10 +711,10 @@ def _compute_partition(
         )
         seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles = bounds
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-        if PAGE_SIZE >= BLOCK:
-            page_fault = n_tiles < 0  # one page a tile: a flag (False)
+        if PAGE_SIZE >= BLOCK or SCALE_MODE != 2:
+            page_fault = n_tiles < 0  # one flag (False)
         else:
-            page_fault = offs_pg < 0  # gathered tiles: a flag a token (all False)
+            page_fault = offs_pg < 0  # per-token ids of gathered tiles: a flag a token
         q_scale = _load_query(
             q_ptr,
             stride_q_tok,
@@ -726,9 +741,8 @@ def _compute_partition(
             l_acc = gl.zeros([R], gl.float32, layout=row_l)
             o = gl.zeros([R, D], gl.float32, layout=o_l)
         v_norm = 1.0
-        if PAGE_SIZE >= BLOCK:
-            # A tile's page id is loaded during the tile before, so no tile waits on its id
-            # for the check (the load warp reads the ids too, for the copies).
+        if PAGE_SIZE >= BLOCK and SCALE_MODE == 2:
+            # A tile's page id (for its scales) is loaded during the tile before.
             nxt_id = gl.load(bt_row + (token_start // PAGE_SIZE) * stride_bt_col, mask=n_tiles > 0)
         for i in range(n_tiles):
             g = it + i
@@ -736,20 +750,23 @@ def _compute_partition(
             ph = (g // STAGES) & 1
             start = token_start + i * BLOCK
             tok = start + offs_s
-            if PAGE_SIZE >= BLOCK:
-                page_id = nxt_id
-                nxt_id = gl.load(
-                    bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col, mask=i + 1 < n_tiles
-                )
-                page, bad = _checked_page(page_id, num_pages)
-            else:
-                tok_pg = start + offs_pg
-                page_id = gl.load(
-                    bt_row + (tok_pg // PAGE_SIZE) * stride_bt_col, mask=tok_pg < token_end, other=0
-                )
-                page, bad = _checked_page(page_id, num_pages)
-            page_fault = page_fault | bad
             if SCALE_MODE == 2:
+                # Per-token scales: this warpgroup reads the ids too, for the scales' address.
+                if PAGE_SIZE >= BLOCK:
+                    page_id = nxt_id
+                    nxt_id = gl.load(
+                        bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col,
+                        mask=i + 1 < n_tiles,
+                    )
+                else:
+                    tok_pg = start + offs_pg
+                    page_id = gl.load(
+                        bt_row + (tok_pg // PAGE_SIZE) * stride_bt_col,
+                        mask=tok_pg < token_end,
+                        other=0,
+                    )
+                page, bad = _checked_page(page_id, num_pages)
+                page_fault = page_fault | bad
                 # The transposed form holds 4 tokens a thread: loaded where used. The other
                 # holds 32, so they are loaded one a thread and moved over when needed.
                 if TRANSPOSED:
@@ -780,6 +797,10 @@ def _compute_partition(
                 vs = offs_s
             mbarrier.wait(kready.index(buf), ph)
             s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
+            if SCALE_MODE != 2:
+                # The load warp's flag (a page id of the tile outside [0, num_pages)), read
+                # before the slot is handed back, used at the tile's end (off the chain).
+                flag = gl.max(bad_s.index(buf).load(flag_l), axis=0)
             mbarrier.wait(vready.index(buf), ph)
             if KV16:
                 s = warpgroup_mma_wait(0, deps=[s])
@@ -831,8 +852,10 @@ def _compute_partition(
                 )
             else:
                 o = warpgroup_mma(p16, v16_s, o)
+            if SCALE_MODE != 2:
+                page_fault = page_fault | (flag != 0)
         it += n_tiles
-        if PAGE_SIZE < BLOCK:
+        if PAGE_SIZE < BLOCK and SCALE_MODE == 2:
             page_fault = gl.max(page_fault.to(gl.int32), axis=0) != 0
         if TRANSPOSED:
             l_i = gl.sum(l_acc, axis=0)
@@ -961,8 +984,13 @@ def gluon_decode_kernel(
     kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Without per-token scales the compute warpgroup reads no page id: the load warp flags a
+    # slot's bad ids (``bad_s``), a second arrival on its K barrier.
+    FLAGS: gl.constexpr = SCALE_MODE != 2
+    flag_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    bad_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1], flag_sl)
     for st in gl.static_range(STAGES):
-        mbarrier.init(kready.index(st), count=1)
+        mbarrier.init(kready.index(st), count=1 + FLAGS)
         mbarrier.init(vready.index(st), count=1)
         mbarrier.init(empty.index(st), count=1)
     fence_async_shared()
@@ -983,6 +1011,7 @@ def gluon_decode_kernel(
                     kready,
                     vready,
                     empty,
+                    bad_s,
                     k_scale_ptr,
                     stride_ks_page,
                     stride_ks_slot,
@@ -1033,6 +1062,7 @@ def gluon_decode_kernel(
                     kready,
                     vready,
                     empty,
+                    bad_s,
                     block_table_ptr,
                     stride_bt,
                     stride_bt_col,
@@ -1050,6 +1080,7 @@ def gluon_decode_kernel(
                     HAS_WINDOW,
                     KV16,
                     HALVES,
+                    FLAGS,
                 ),
             ),
         ],
