@@ -6,8 +6,8 @@ with a query of its dtype (64-token tiles, K and V multiplied as stored), head_d
 query_len 1..8 with up to 64 query rows a kv head (row r: new token r // group, query head
 r % group; each new token attends keys up to its own position), pages of 8 tokens or more
 (a tile is 128 tokens of FP8, 64 of a 16-bit cache: one page, or gathered out of shorter
-pages) and partitions of at least a tile, NHD or HND, with or without a sliding window (``api._hopper_shape_reason``
-and :func:`unsupported` say what else).
+pages) and partitions of at least a tile, NHD or HND, with or without a sliding window
+(``api._hopper_shape_reason`` and :func:`unsupported` say what else).
 
 Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
 
@@ -356,8 +356,9 @@ def _stage_p(
     TOK_AXIS: gl.constexpr,
     o_l: gl.constexpr,
 ):
-    """P as the P V MMA's operand in ``p_s``'s dtype (that of V as multiplied: fp16, or the
-    16-bit cache's) (``TOK_AXIS`` 0: P^T to shared memory; 1: registers, returned) and the accumulator rescaled; returns (o, v_norm, p). Per-token scales: P
+    """P as the P V MMA's operand in ``p_s``'s dtype, that of V as multiplied (fp16, or the
+    16-bit cache's): ``TOK_AXIS`` 0, P^T to shared memory; 1, registers, returned. Also the
+    accumulator rescaled; returns (o, v_norm, p). Per-token scales: P
     times the tokens' V scales relative to the tile's largest (out of fp16 subnormals); the
     accumulator is kept in units of the last tile's."""
     ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
