@@ -642,7 +642,7 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
     assert family == "gluon" and plan.num_programs == hopper_grid
     # The length hint alone would give 64-token partitions here; the family's tile is 128.
     assert plan.partition_size >= api.HOPPER_MIN_PARTITION
-    # Gathered tiles and more query rows, either scale mode, 16-bit caches: the Hopper family
+    # Gathered tiles and more query rows, either scale mode, bf16 caches: the Hopper family
     # too.
     for kw in (
         dict(page_size=16),
@@ -650,7 +650,7 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
         dict(query_len=4),
         dict(query_len=4, kv="per_token"),
         dict(kv="bf16"),
-        dict(kv="fp16", page_size=16),
+        dict(kv="bf16", page_size=16),
         dict(kv="bf16", query_len=4),
     ):
         plan, family = _choice(monkeypatch, **kw)
@@ -659,6 +659,7 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
     # preference: the portable grid and family.
     for kw in (
         dict(kv="per_token"),
+        dict(kv="fp16"),  # not measured on the Hopper family
         dict(preference="triton"),
         dict(head_dim=64),
         dict(page_size=4),
@@ -673,4 +674,6 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
     assert family == "triton"
     # ... while the Hopper preference takes every step the family covers, on its grid.
     plan, family = _choice(monkeypatch, kv="per_token", preference="gluon")
+    assert family == "gluon" and plan.num_programs == hopper_grid
+    plan, family = _choice(monkeypatch, kv="fp16", preference="gluon")
     assert family == "gluon" and plan.num_programs == hopper_grid

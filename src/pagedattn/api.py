@@ -206,9 +206,12 @@ def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group,
     at most 16 query rows meet whole-tile pages (there the portable family was faster:
     128 x 8192, query_len 1, decode + reduce 86.0 against 93.5 µs, `benchmarks/micro.py
     gluon`, H200). bf16 caches: 1.019x faster in geometric mean over the seed grid's 30
-    shapes (`pagedattn bench --kv-dtype bf16`, H200)."""
+    shapes (`pagedattn bench --kv-dtype bf16`, H200); fp16 caches, not measured on the
+    family, keep the portable one."""
     shape = dict(kv_dtype=kv_dtype, query_len=query_len, head_dim=head_dim, page_size=page_size)
     if _hopper_shape_reason(**shape, group=group) is not None:
+        return False
+    if by_default and kv_dtype == torch.float16:
         return False
     small_rows = query_len * group <= 16 and page_size >= 128
     return not by_default or kv_scale != "per_token" or not small_rows
