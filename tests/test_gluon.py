@@ -148,8 +148,9 @@ def builds():
 def test_sm90a_build(builds, variant):
     r = builds[json.dumps(variant, sort_keys=True)]
     assert r["wgmma"], "expected warpgroup MMA (wgmma) in the PTX"
-    # No spill in the tile loop; a few registers may spill around a work's epilogue (at most
-    # 24 bytes in these builds, a few accesses a work).
+    # No spill in the tile loop; a few registers may spill outside it (at most 24 bytes in
+    # these builds, a few accesses a work: the load warp's on gathered tiles, the compute
+    # warpgroup's in two per-token builds of 64 rows).
     assert r["tile_loop"] and r["loop_spills"] == 0, f"spills in the tile loop: {r}"
     assert r["stack"] <= SPILL_BYTES and r["local"] == 0, f"spills: {r}"
     assert r["shared"] <= SHARED_LIMIT, f"shared memory {r['shared']} B over {SHARED_LIMIT}"
