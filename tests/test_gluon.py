@@ -125,7 +125,9 @@ print(json.dumps(results))
 """
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: the worker that runs the build tests may run other modules' tests between
+# them, and a module-scoped fixture would be torn down and the variants built again.
+@pytest.fixture(scope="session")
 def builds():
     env = dict(os.environ, TRITON_INTERPRET="0")
     src = str(Path(pagedattn.__file__).resolve().parent.parent)
