@@ -9,7 +9,7 @@ from pagedattn.reference import paged_decode_torch, rel_error
 
 FP8 = torch.float8_e4m3fn
 gen = torch.Generator(device="cuda").manual_seed(0)
-hopper = torch.cuda.get_device_capability() == (9, 0)
+hopper = pagedattn.api._hopper_reason(torch.device("cuda")) is None
 worst = {}
 cases = (
     ("NHD", FP8, "per_token", None),

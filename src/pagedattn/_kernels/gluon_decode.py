@@ -681,9 +681,8 @@ def _compute_partition(
     tok_l: gl.constexpr = gl.SliceLayout(ROW_AXIS, s_l)
     row_l: gl.constexpr = gl.SliceLayout(TOK_AXIS, s_l)
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    # Page ids of a gathered tile, one token a thread.
+    # Page ids of a gathered tile, one token a thread (and the load warp's slot flags).
     pg_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    flag_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     if SCALE_MODE == 1:
         k_scale = gl.load(k_scale_ptr)
         v_scale = gl.load(v_scale_ptr)
@@ -801,7 +800,7 @@ def _compute_partition(
             if SCALE_MODE != 2:
                 # The load warp's flag (a page id of the tile outside [0, num_pages)), read
                 # before the slot is handed back, used at the tile's end (off the chain).
-                flag = gl.max(bad_s.index(buf).load(flag_l), axis=0)
+                flag = gl.max(bad_s.index(buf).load(pg_l), axis=0)
             mbarrier.wait(vready.index(buf), ph)
             if KV16:
                 s = warpgroup_mma_wait(0, deps=[s])
@@ -963,9 +962,9 @@ def gluon_decode_kernel(
     k2 = k_s._reinterpret(KV_T, [STAGES, BLOCK, D], kv_sl)
     v2 = v_s._reinterpret(KV_T, [STAGES, BLOCK, D], kv_sl)
     # The load warp's view: one box a copy (a tile's boxes back to back).
-    box_shape: gl.constexpr = [STAGES * SUB * HALVES, 1, BLOCK // SUB, 1, D // HALVES]
-    k_boxes = k_s._reinterpret(KV_T, box_shape, k_desc.layout)
-    v_boxes = v_s._reinterpret(KV_T, box_shape, v_desc.layout)
+    boxes: gl.constexpr = [STAGES * SUB * HALVES, 1, BLOCK // SUB, 1, D // HALVES]
+    k_boxes = k_s._reinterpret(KV_T, boxes, k_desc.layout)
+    v_boxes = v_s._reinterpret(KV_T, boxes, v_desc.layout)
     if KV16:
         # K and V multiplied as they are: the query in one term, P in V's dtype.
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], KV_T)
