@@ -1,6 +1,6 @@
 """A small decode step for compute-sanitizer: every path (split + reduce, per-token FP8, bf16,
-page 16, HND, sliding window, LSE) in one process, on each kernel family the GPU runs. Exits
-non-zero if an answer is wrong."""
+page 16, HND, sliding window, LSE, head_dim 64 and 256) in one process, on each kernel family
+the GPU runs. Exits non-zero if an answer is wrong."""
 
 import torch
 
@@ -11,16 +11,19 @@ FP8 = torch.float8_e4m3fn
 gen = torch.Generator(device="cuda").manual_seed(0)
 hopper = pagedattn.api._hopper_reason(torch.device("cuda")) is None
 worst = {}
+# (layout, kv dtype, scale, window, head_dim, query heads over 2 kv heads)
 cases = (
-    ("NHD", FP8, "per_token", None),
-    ("HND", FP8, "per_tensor", 100),
-    ("NHD", torch.bfloat16, None, 30),
+    ("NHD", FP8, "per_token", None, 128, 16),
+    ("HND", FP8, "per_tensor", 100, 128, 16),
+    ("NHD", torch.bfloat16, None, 30, 128, 16),
+    ("HND", FP8, "per_token", 50, 256, 8),
+    ("NHD", torch.bfloat16, None, None, 64, 16),
 )
-for layout, kv_dtype, scale, window in cases:
+for layout, kv_dtype, scale, window, head_dim, heads in cases:
     cache = pagedattn.build_paged_cache(
         [1000, 37, 2500, 4],
         num_kv_heads=2,
-        head_dim=128,
+        head_dim=head_dim,
         page_size=16,
         kv_dtype=kv_dtype,
         kv_layout=layout,
@@ -29,16 +32,16 @@ for layout, kv_dtype, scale, window in cases:
         generator=gen,
         extra_pages=3,
     )
-    q = torch.randn(4 * 3, 16, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(4 * 3, heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, kv_layout=layout, sliding_window=window)
     ref = paged_decode_torch(*args, **kw)
     for backend in ("triton", "gluon") if hopper else ("triton",):
         plan = pagedattn.plan_decode(
             cache.seq_lens,
-            num_q_heads=16,
+            num_q_heads=heads,
             num_kv_heads=2,
-            head_dim=128,
+            head_dim=head_dim,
             page_size=16,
             query_len=3,
             kv_dtype=kv_dtype,

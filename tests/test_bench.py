@@ -226,10 +226,13 @@ def test_gluon_provider_takes_the_cases_its_family_covers():
         cases.Case(batch=1, context=64, page_size=16),
         cases.Case(batch=1, context=64, kv_dtype="bf16", kv_scale=None),
         cases.Case(batch=1, context=64, kv_dtype="fp16", kv_scale=None, page_size=8),
+        cases.Case(batch=1, context=64, head_dim=64, kv_dtype="bf16", kv_scale=None),
+        cases.Case(batch=1, context=64, head_dim=256),
     ):
         assert gluon.supports(covered) == (True, ""), covered
     for other, expected in (
-        (cases.Case(batch=1, context=64, head_dim=64), "head_dim 128"),
+        (cases.Case(batch=1, context=64, head_dim=256, query_len=2), "head_dim one of"),
+        (cases.Case(batch=1, context=64, head_dim=256, kv_dtype="bf16", kv_scale=None), "head_dim"),
         (cases.Case(batch=1, context=64, query_len=8), "query_len at most 8 and"),
         (cases.Case(batch=1, context=64, page_size=4), "page_size at least 8"),
     ):
@@ -547,6 +550,20 @@ def test_list_cases_needs_no_gpu(capsys):
     assert bench.main(["--preset", "quick", "--list-cases"]) == 0
     out = capsys.readouterr().out
     assert out.strip().endswith(f"{len(cases.preset_cases('quick'))} cases")
+
+
+def test_head_dims_and_heads_make_a_grid(capsys):
+    argv = ["--head-dim", "64,256", "--heads", "32/8,16/1", "--batch", "16", "--context", "8192"]
+    assert bench.main([*argv, "--query-len", "1", "--list-cases"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "4 cases"
+    shapes = {
+        (line.split("heads ")[1].split()[0], line.split(" d ")[1].split()[0]) for line in lines[:-1]
+    }
+    assert shapes == {("32/8", "64"), ("16/1", "64"), ("32/8", "256"), ("16/1", "256")}
+    with pytest.raises(SystemExit):
+        bench.main(["--heads", "32x8"])
+    assert "query/kv head pairs" in capsys.readouterr().err
 
 
 def test_bad_flag_values_are_usage_errors(capsys):

@@ -77,6 +77,23 @@ VARIANTS = (
         )
     ]
     + [dict(group=4, query_len=4, page_size=16, kv_dtype="bfloat16", scale_mode=0, window=True)]
+    + [
+        # head_dim 64 (both forms, FP8 and bf16) and 256 (FP8, the transposed form).
+        dict(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True, head_dim=d, **kv)
+        for g, n, p, m, d, kv in (
+            (16, 1, 1024, 1, 64, {}),
+            (16, 4, 16, 2, 64, {}),
+            (8, 1, 16, 1, 64, {}),
+            (16, 4, 1024, 1, 64, {}),
+            (8, 1, 1024, 0, 64, dict(kv_dtype="bfloat16")),
+            (16, 4, 16, 0, 64, dict(kv_dtype="bfloat16")),
+            (16, 1, 1024, 1, 256, {}),
+            (16, 1, 1024, 2, 256, {}),
+            (8, 1, 16, 1, 256, {}),
+            (8, 1, 16, 2, 256, {}),
+        )
+    ]
+    + [dict(group=8, page_size=16, window=True, write_lse=True, head_dim=256)]
 )
 
 _BUILD = r"""
@@ -148,10 +165,11 @@ def builds():
 @pytest.mark.parametrize(
     "variant",
     VARIANTS,
-    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}{w}{t}".format(
+    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}{w}{t}{d}".format(
         **{"query_len": 1, "page_size": 1024, "scale_mode": 1, "write_lse": False, **v},
         w="-window" if v.get("window") else "",
         t="-" + v["kv_dtype"] if "kv_dtype" in v else "",
+        d=f"-d{v['head_dim']}" if "head_dim" in v else "",
     ),
 )
 def test_sm90a_build(builds, variant):
@@ -216,12 +234,13 @@ def _decode(
     partition_size=None,
     gen=None,
     edit=None,
+    head_dim=HEAD_DIM,
 ):
     """Builds a cache for ``lens`` (invalid ones as empty sequences), lets ``edit`` spoil it
     (returns the lengths passed to the kernel and those planned), decodes into poisoned
     outputs (``transposed``: the kernel's form, None its default); returns (out, lse,
     faults, q, cache, seq_lens)."""
-    shape = _shape(group, kv, page_size=page_size, query_len=query_len)
+    shape = _shape(group, kv, head_dim=head_dim, page_size=page_size, query_len=query_len)
     cache, q = random_step(
         [max(n, 0) for n in lens],
         **shape,
@@ -324,6 +343,65 @@ def test_matches_reference(gen, group, query_len, page_size, transposed, kv, kv_
     )
     assert faults == {}
     _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
+
+
+# Other head dims: 64 in both forms with every cache kind, 256 with FP8 KV and at most 16
+# query rows (its tile is 64 tokens). (head_dim, group, query_len, page_size, kv)
+HEAD_DIM_CASES = [
+    (64, g, n, p, kv)
+    for g, n, p in ((8, 1, PAGE_SIZE), (16, 4, PAGE_SIZE), (8, 1, 16), (4, 4, 16), (2, 8, 8))
+    for kv in KV_KINDS
+] + [
+    (256, g, n, p, kv)
+    for g, n, p in ((8, 1, PAGE_SIZE), (16, 1, 16), (4, 2, 8), (1, 1, 64), (5, 3, 32))
+    for kv in ("per_tensor", "per_token")
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize(
+    "head_dim,group,query_len,page_size,kv", HEAD_DIM_CASES, ids=lambda v: str(v).replace(" ", "")
+)
+def test_other_head_dims_match_reference(gen, head_dim, group, query_len, page_size, kv, kv_layout):
+    lens = [query_len, 127, 129, 1000, 4097, 0, 256, 8, 65, 63]
+    for num_programs, partition_size in ((None, None), (6, 128)):  # splits through the reducer
+        out, lse, faults, q, cache, _ = _decode(
+            lens,
+            group=group,
+            query_len=query_len,
+            page_size=page_size,
+            kv_layout=kv_layout,
+            kv=kv,
+            num_programs=num_programs,
+            partition_size=partition_size,
+            head_dim=head_dim,
+            gen=gen,
+        )
+        assert faults == {}
+        _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
+
+
+@requires_gpu
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("kind", ["page_id_too_large", "stale_plan", "beyond_capacity"])
+def test_other_head_dims_fault_and_window(gen, head_dim, kind):
+    edit, code = FAULTS[kind]
+    lens = [1000, 1500, 0, 129]
+    out, lse, faults, q, cache, seq_lens = _decode(
+        lens, edit=edit, page_size=16, group=4, head_dim=head_dim, window=200, gen=gen
+    )
+    assert set(faults) == {1} and faults[1] & code, faults
+    assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all())
+    _check(out, lse, q, cache, seq_lens, valid={0, 2, 3}, window=200)
+
+
+@requires_gpu
+def test_head_dim_256_with_a_16_bit_cache_says_why(gen):
+    with pytest.raises(ValueError, match="256 with FP8 KV and at most 16 query rows"):
+        _decode([300], kv="bf16", head_dim=256, gen=gen)
+    with pytest.raises(ValueError, match="256 with FP8 KV and at most 16 query rows"):
+        _decode([300], group=16, query_len=2, head_dim=256, gen=gen)
 
 
 @requires_gpu
@@ -528,8 +606,8 @@ def test_gluon_backend_needs_the_gpu(gen):
 
 @requires_gpu
 def test_uncovered_cases_fall_back_or_say_why(gen):
-    args, kw = _small_call(head_dim=64, page_size=16, gen=gen)
-    with pytest.raises(ValueError, match="Hopper family expects head_dim 128"):
+    args, kw = _small_call(page_size=4, gen=gen)
+    with pytest.raises(ValueError, match="Hopper family expects page_size at least 8, got 4"):
         pagedattn.paged_decode(*args, **kw, backend="gluon")
     out = pagedattn.paged_decode(*args, **kw)  # auto: the portable family
     assert torch.equal(out, pagedattn.paged_decode(*args, **kw, backend="triton"))
@@ -558,7 +636,7 @@ def test_auto_takes_the_preferred_family(gen):
     with pagedattn.api.using_backend("gluon"):
         assert torch.equal(pagedattn.paged_decode(*args, **kw), gluon)
         # Where the Hopper family does not cover the call, the preference falls back.
-        other, other_kw = _small_call(head_dim=64, page_size=16, gen=gen)
+        other, other_kw = _small_call(page_size=4, gen=gen)
         fallback = pagedattn.paged_decode(*other, **other_kw)
         assert torch.equal(fallback, pagedattn.paged_decode(*other, **other_kw, backend="triton"))
     with pagedattn.api.using_backend("triton"):
@@ -662,6 +740,8 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
         dict(kv="bf16"),
         dict(kv="bf16", page_size=16),
         dict(kv="bf16", query_len=4),
+        dict(head_dim=256),  # per-tensor on whole tiles: measured faster
+        dict(head_dim=256, page_size=64),
     ):
         plan, family = _choice(monkeypatch, **kw)
         assert family == "gluon" and plan.num_programs == hopper_grid, kw
@@ -671,7 +751,10 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
         dict(kv="per_token"),
         dict(kv="fp16"),  # not measured on the Hopper family
         dict(preference="triton"),
-        dict(head_dim=64),
+        dict(head_dim=64),  # measured slower on the Hopper family
+        dict(head_dim=64, kv="bf16"),
+        dict(head_dim=256, kv="per_token"),
+        dict(head_dim=256, page_size=16),  # not measured
         dict(page_size=4),
     ):
         plan, family = _choice(monkeypatch, **kw)

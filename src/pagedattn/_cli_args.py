@@ -20,6 +20,25 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def heads_list(text: str) -> list[tuple[int, int]]:
+    """``"16/1,32/8"`` -> ``[(16, 1), (32, 8)]``: (query heads, kv heads) pairs, each >= 1."""
+    pairs = []
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        q, _, kv = item.partition("/")
+        try:
+            pair = (int(q), int(kv))
+        except ValueError:
+            pair = None
+        if pair is None or min(pair) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated query/kv head pairs such as 16/1,32/8, got {text!r}"
+            )
+        pairs.append(pair)
+    if not pairs:
+        raise argparse.ArgumentTypeError(f"expected query/kv head pairs such as 16/1, got {text!r}")
+    return pairs
+
+
 def choice_list(*choices: str) -> Callable[[str], list[str]]:
     """A type for comma-separated values, each one of ``choices``."""
     expected = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0]

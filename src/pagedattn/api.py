@@ -173,7 +173,7 @@ def _preferred_family(backend: str = "auto") -> tuple[str, bool]:
 
 
 # The Hopper family's scope in shapes (the rest of a call is judged at decode time).
-HOPPER_HEAD_DIM = 128
+HOPPER_HEAD_DIMS = (64, 128, 256)  # 256: FP8 KV, at most 16 query rows a kv head
 HOPPER_MAX_QUERY_LEN = 8
 HOPPER_MAX_ROWS = 64  # query_len x query heads per kv head: one warpgroup MMA's M
 HOPPER_MIN_PAGE = 8  # shorter pages would break the bulk copies' 8-row swizzle atoms
@@ -192,7 +192,12 @@ def _hopper_shape_reason(*, kv_dtype, query_len, head_dim, page_size, group) -> 
             f"query_len at most {HOPPER_MAX_QUERY_LEN} and query_len x query heads per kv head"
             f" at most {HOPPER_MAX_ROWS}, got {query_len} x {group}",
         ),
-        (head_dim == HOPPER_HEAD_DIM, f"head_dim {HOPPER_HEAD_DIM}, got {head_dim}"),
+        (
+            head_dim in HOPPER_HEAD_DIMS
+            and (head_dim <= 128 or (kv_dtype == torch.float8_e4m3fn and rows <= 16)),
+            f"head_dim one of {HOPPER_HEAD_DIMS} (256 with FP8 KV and at most 16 query rows a "
+            f"kv head), got {head_dim} with {kv_dtype} and {query_len} x {group} rows",
+        ),
         (page_size >= HOPPER_MIN_PAGE, f"page_size at least {HOPPER_MIN_PAGE}, got {page_size}"),
     )
     return next((f"expected {what}" for ok, what in needs if not ok), None)
@@ -207,12 +212,18 @@ def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group,
     128 x 8192, query_len 1, decode + reduce 86.0 against 93.5 µs, `benchmarks/micro.py
     gluon`, H200). bf16 caches: 1.019x faster in geometric mean over the seed grid's 30
     shapes (`pagedattn bench --kv-dtype bf16`, H200); fp16 caches, not measured on the
-    family, keep the portable one."""
+    family, keep the portable one. Whole step, 32 query heads on 8 kv heads, batch 16 / 128 x
+    8192 / 32768, query_len 1 and 4 (`benchmarks/results/hopper/head_dims.md`, H200): head_dim
+    256 per-tensor 0.86-0.96x the portable family's time (per-token 0.94-1.07x), head_dim 64
+    1.02-1.14x (per-token 1.17-1.60x); so head_dim 256 per-tensor on pages of a tile or more
+    is taken, other head_dim 64 and 256 steps are not."""
     shape = dict(kv_dtype=kv_dtype, query_len=query_len, head_dim=head_dim, page_size=page_size)
     if _hopper_shape_reason(**shape, group=group) is not None:
         return False
     if by_default and kv_dtype == torch.float16:
         return False
+    if by_default and head_dim != 128:
+        return head_dim == 256 and kv_scale == "per_tensor" and page_size >= 64
     small_rows = query_len * group <= 16 and page_size >= 128
     return not by_default or kv_scale != "per_token" or not small_rows
 
@@ -661,13 +672,16 @@ def paged_decode(
     backend : {"auto", "triton", "gluon"}
         Kernel family. "triton": the portable Triton kernels (any GPU Triton supports, and
         the interpreter). "gluon": the Hopper family (sm_90, Triton 3.6), which covers FP8
-        e4m3 KV (either scale mode) with a bf16 query, head_dim 128, query_len 1..8 with at
-        most 64 query rows a kv head (query_len x query heads per kv head), page_size >= 8,
-        plan partitions of at least 128 tokens, a sliding window or none, no sinks, soft
-        cap or ``query_start_loc``; it raises ``ValueError`` for anything else. "auto" (default):
+        e4m3 KV (either scale mode) with a bf16 query or bf16/fp16 KV with a query of its
+        dtype, head_dim 64 or 128 (256 with FP8 KV and at most 16 query rows a kv head),
+        query_len 1..8 with at most 64 query rows a kv head (query_len x query heads per kv
+        head), page_size >= 8, plan partitions of at least a tile (128 tokens; 64 with a
+        16-bit cache or at head_dim 256), a sliding window or none, no sinks, soft cap or
+        ``query_start_loc``; it raises ``ValueError`` for anything else. "auto" (default):
         the faster family for the call as measured on the H200 (:data:`AUTO_FAMILY`: the
         Hopper family where it covers the call, except per-token scales with at most 16
-        query rows on pages of >= 128 tokens; :func:`using_backend` changes the
+        query rows on pages of >= 128 tokens, fp16 caches, head_dim 64, and head_dim 256
+        other than per-tensor on whole tiles; :func:`using_backend` changes the
         preference). Both read the same plan and share the reducer.
 
     Returns

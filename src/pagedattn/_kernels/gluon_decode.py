@@ -2,18 +2,19 @@
 
 The same work list, robustness checks and outputs as the portable kernel (``decode.py``); it
 covers FP8 e4m3 KV with per-tensor or per-token scales and a bf16 query, or bf16/fp16 KV
-with a query of its dtype (64-token tiles, K and V multiplied as stored), head_dim 128,
-query_len 1..8 with up to 64 query rows a kv head (row r: new token r // group, query head
-r % group; each new token attends keys up to its own position), pages of 8 tokens or more
-(a tile is 128 tokens of FP8, 64 of a 16-bit cache: one page, or gathered out of shorter
-pages) and partitions of at least a tile, NHD or HND, with or without a sliding window
+with a query of its dtype (64-token tiles, K and V multiplied as stored), head_dim 64 or
+128 (256 with FP8 KV and at most 16 query rows), query_len 1..8 with up to 64 query rows a
+kv head (row r: new token r // group, query head r % group; each new token attends keys up
+to its own position), pages of 8 tokens or more (a tile is 128 tokens of FP8, 64 of a
+16-bit cache or of FP8 at head_dim 256: one page, or gathered out of shorter pages) and
+partitions of at least a tile, NHD or HND, with or without a sliding window
 (``api._hopper_shape_reason`` and :func:`unsupported` say what else).
 
 Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
 
 - the load warp (``_load_partition``) walks the program's works and tiles and copies each
-  tile's K and V (one bulk tensor copy of 128 tokens x 128 dims out of one page, or one per
-  page shorter than a tile) into the next of ``STAGES`` shared-memory slots once the compute
+  tile's K and V (one bulk tensor copy of a tile out of one page, or one per page shorter
+  than a tile) into the next of ``STAGES`` shared-memory slots once the compute
   warpgroup has handed it back, across work boundaries;
 - the compute warpgroup (``_compute_partition``), per work: the query as two e4m3 terms in
   shared memory (``_load_query``; a 16-bit cache's query as it is); per tile: scores on FP8
@@ -43,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..api import (
-    HOPPER_HEAD_DIM,
+    HOPPER_HEAD_DIMS,
     LOG2E,
     _cache_strides,
     _hopper_shape_reason,
@@ -62,9 +63,9 @@ from .records import (
     WORK_TOKEN_START,
 )
 
-BLOCK_N = 128  # tokens per tile (FP8)
-BLOCK_N16 = 64  # tokens per tile of a 16-bit cache (the same bytes)
-HEAD_DIM = HOPPER_HEAD_DIM  # its scope in shapes: api._hopper_shape_reason
+BLOCK_N = 128  # tokens per tile (FP8, head_dim up to 128)
+BLOCK_N16 = 64  # tokens per tile of a 16-bit cache (the same bytes at head_dim 128)
+HEAD_DIMS = HOPPER_HEAD_DIMS  # its scope in shapes: api._hopper_shape_reason
 MAX_TRANSPOSED_ROWS = 16  # query rows the transposed form takes (its MMAs' N)
 # Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
 SCALE_TENSOR, SCALE_TOKEN = 1, 2
@@ -79,16 +80,24 @@ NUM_WARPS = 4
 LN2 = gl.constexpr(0.6931471805599453)
 
 
-def default_half(scale_mode: int, transposed: bool = True, page_size: int = BLOCK_N) -> int:
+def default_half(
+    scale_mode: int,
+    transposed: bool = True,
+    page_size: int = BLOCK_N,
+    block: int = BLOCK_N,
+    head_dim: int = 128,
+) -> int:
     """Tokens of V converted to fp16 at a time. Transposed form: a whole tile, where it does
     not spill (per-tensor scales, a page a tile), else 64; 128 x 8192 per-tensor, decode +
     reduce: 85.7 / 81.9 / 78.0 µs at 32 / 64 / 128 (`benchmarks/micro.py gluon --half`,
     H200). The other form converts the whole tile before its MMA, 32 tokens at a time (its
-    score and output accumulators take 128 registers a thread)."""
+    score and output accumulators take 128 registers a thread). ``block``: the tile's
+    tokens (:func:`tile_tokens`), which it never exceeds; at head_dim 256 a part is half as
+    many tokens (the same values a thread as at 128; 64 spilled with per-token scales)."""
     if not transposed:
         return 32
-    whole = scale_mode == SCALE_TENSOR and page_size >= BLOCK_N
-    return BLOCK_N if whole else 64
+    whole = scale_mode == SCALE_TENSOR and page_size >= block
+    return block if whole else min(64 * 128 // max(head_dim, 128), block)
 
 
 def default_transposed(group: int, query_len: int) -> bool:
@@ -521,6 +530,8 @@ def _load_partition(
     KV16: gl.constexpr,
     HALVES: gl.constexpr,
     FLAGS: gl.constexpr,
+    BLOCK: gl.constexpr,
+    D: gl.constexpr,
 ):
     """Load warp: walks the program's works and their tiles, copying each tile's K and V into
     the next of ``STAGES`` slots once the compute warpgroup has handed it back (``empty``),
@@ -529,11 +540,10 @@ def _load_partition(
     as page 0). Bad page ids are read as page 0 and flagged: ``FLAGS`` (no per-token scales),
     by this warp, in ``bad_s[slot]`` (a tile whose ids before the work's end lie outside
     [0, num_pages)), released to the compute warpgroup by a second arrival on the slot's K
-    barrier; else by the compute warpgroup, which reads the ids for the scales. Tiles of 128
-    tokens, 64 with a 16-bit cache (``KV16``); gathered 16-bit tiles take ``HALVES`` = 2
-    copies a page, one a half of head_dim, as a tile's 256-byte rows lie in shared memory as
-    two halves of the whole tile (the 128-byte swizzle's span)."""
-    BLOCK: gl.constexpr = 128 - 64 * KV16
+    barrier; else by the compute warpgroup, which reads the ids for the scales. Tiles of
+    ``BLOCK`` tokens of ``D`` dims; gathered tiles with rows of 256 bytes take ``HALVES`` = 2
+    copies a page, one a half of head_dim, as such rows lie in shared memory as two halves of
+    the whole tile (the 128-byte swizzle's span)."""
     flag_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
     pid = gl.program_id(0)
@@ -586,7 +596,7 @@ def _load_partition(
                     page, bad_j = _checked_page(page_id, num_pages)
                     bad = bad | bad_j
                     for h in gl.static_range(HALVES):
-                        at = [page, 0, kv_head, h * (128 // HALVES)]
+                        at = [page, 0, kv_head, h * (D // HALVES)]
                         box = (buf * HALVES + h) * SUB + j
                         k_box = k_s.index(box)
                         v_box = v_s.index(box)
@@ -652,6 +662,8 @@ def _compute_partition(
     TRANSPOSED: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     KV16: gl.constexpr,
+    BLOCK: gl.constexpr,
+    D: gl.constexpr,
 ):
     """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
     P V out of the slot the load warp filled, handing the slot back once K and V are read;
@@ -659,8 +671,6 @@ def _compute_partition(
     dimension (8 or 16), row sums per thread, P through shared memory; else S = Q K^T with
     64 query rows as M, row sums per tile, P in registers. ``KV16``: a 16-bit cache in
     64-token tiles, its K and V multiplied as they are in the slot."""
-    BLOCK: gl.constexpr = 128 - 64 * KV16
-    D: gl.constexpr = 128
     KW: gl.constexpr = 32 - 16 * KV16  # the MMAs' K step: 32 bytes
     TOK_AXIS: gl.constexpr = 1 - TRANSPOSED  # of the scores (and the head_dim of O)
     ROW_AXIS: gl.constexpr = TRANSPOSED
@@ -680,7 +690,9 @@ def _compute_partition(
         )
     tok_l: gl.constexpr = gl.SliceLayout(ROW_AXIS, s_l)
     row_l: gl.constexpr = gl.SliceLayout(TOK_AXIS, s_l)
-    blk: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    # 16 values of head_dim a thread, 128 columns a warp (64 with head_dim 64).
+    COLS: gl.constexpr = 8 - 4 * (D == 64)
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [4, 1], [1, 0])
     # Page ids of a gathered tile, one token a thread (and the load warp's slot flags).
     pg_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     if SCALE_MODE == 1:
@@ -942,17 +954,18 @@ def gluon_decode_kernel(
     TRANSPOSED: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     KV16: gl.constexpr,
+    BLOCK: gl.constexpr,
+    D: gl.constexpr,
 ):
     """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
     thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works.
-    ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype) in 64-token tiles."""
-    BLOCK: gl.constexpr = 128 - 64 * KV16
-    D: gl.constexpr = 128
+    ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype); tiles of ``BLOCK`` tokens
+    (:func:`tile_tokens`) of ``D`` dims."""
     KV_T: gl.constexpr = k_desc.dtype
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # pages a tile
-    # Copies a page: gathered 16-bit tiles are copied a half of head_dim at a time (see
-    # _load_partition).
-    HALVES: gl.constexpr = 1 + KV16 * (SUB > 1)
+    # Copies a page: a gathered tile's rows of more than 128 bytes (16-bit at head_dim 128,
+    # FP8 at 256) are copied a 128-byte part of head_dim at a time (see _load_partition).
+    HALVES: gl.constexpr = 1 + ((D * (1 + KV16) + 127) // 128 - 1) * (SUB > 1)
     # V's fp16 copy (FP8 only): HALF tokens at a time (transposed), else the whole tile.
     V16_ROWS: gl.constexpr = BLOCK - (BLOCK - HALF) * TRANSPOSED
     P_ROWS: gl.constexpr = 8 + (R - 8) * TRANSPOSED  # P through shared memory (transposed)
@@ -1050,6 +1063,8 @@ def gluon_decode_kernel(
                     TRANSPOSED,
                     HAS_WINDOW,
                     KV16,
+                    BLOCK,
+                    D,
                 ),
             ),
             (
@@ -1081,6 +1096,8 @@ def gluon_decode_kernel(
                     KV16,
                     HALVES,
                     FLAGS,
+                    BLOCK,
+                    D,
                 ),
             ),
         ],
@@ -1104,22 +1121,32 @@ KV_TYPES = {
 }
 
 
-def tile_tokens(kv_dtype: torch.dtype) -> int:
-    """Tokens of one tile: 128 of an FP8 cache, 64 of a 16-bit one."""
-    return BLOCK_N if kv_dtype == torch.float8_e4m3fn else BLOCK_N16
+def tile_tokens(kv_dtype: torch.dtype, head_dim: int = 128) -> int:
+    """Tokens of one tile: 128 of an FP8 cache, 64 of a 16-bit one, and 64 of an FP8 one at
+    head_dim 256 (16 KB of K a tile at head_dim 128 and 256, 8 KB at 64)."""
+    if kv_dtype != torch.float8_e4m3fn:
+        return BLOCK_N16
+    return BLOCK_N if head_dim <= 128 else BLOCK_N // 2
 
 
-def box_shape(page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn) -> list[int]:
+def box_shape(
+    page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn, head_dim: int = 128
+) -> list[int]:
     """The box of one bulk copy, [1, tokens, 1, dims]: a whole tile, or a whole page shorter
-    than a tile (half of head_dim of a 16-bit cache, see ``_load_partition``)."""
-    tile = tile_tokens(kv_dtype)
-    halves = 2 if kv_dtype != torch.float8_e4m3fn and page_size < tile else 1
-    return [1, min(page_size, tile), 1, HEAD_DIM // halves]
+    than a tile (rows of more than 128 bytes a 128-byte part at a time, see
+    ``_load_partition``)."""
+    tile = tile_tokens(kv_dtype, head_dim)
+    row_bytes = head_dim * kv_dtype.itemsize
+    parts = max(row_bytes // 128, 1) if page_size < tile else 1
+    return [1, min(page_size, tile), 1, head_dim // parts]
 
 
-def kv_block_layout(page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn):
+def kv_block_layout(
+    page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn, head_dim: int = 128
+):
     """Shared-memory layout of one K or V box (:func:`box_shape`)."""
-    return gl.NVMMASharedLayout.get_default_for(box_shape(page_size, kv_dtype), KV_TYPES[kv_dtype])
+    box = box_shape(page_size, kv_dtype, head_dim)
+    return gl.NVMMASharedLayout.get_default_for(box, KV_TYPES[kv_dtype])
 
 
 def variant(
@@ -1135,14 +1162,20 @@ def variant(
     transposed: bool | None = None,
     window: bool = False,
     kv_dtype: torch.dtype = torch.float8_e4m3fn,
+    head_dim: int = 128,
 ) -> dict:
     """The kernel's constexprs for one case (``half``, ``transposed`` None: the defaults,
     :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window;
     ``kv_dtype``: the cache's, a 16-bit one (bf16 or fp16) with a query of its dtype and
-    ``scale_mode`` 0)."""
+    ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``)."""
     kv16 = kv_dtype != torch.float8_e4m3fn
     if kv_dtype not in KV_TYPES:
         raise ValueError(f"kv_dtype: expected one of {list(KV_TYPES)}, got {kv_dtype}")
+    if head_dim not in HEAD_DIMS or (kv16 and head_dim > 128):
+        raise ValueError(
+            f"head_dim: expected one of {HEAD_DIMS} (at most 128 with a 16-bit cache), got "
+            f"{head_dim} with {kv_dtype}"
+        )
     if kv16 != (scale_mode == 0):
         raise ValueError(
             f"scale_mode: 0 (no scales) for a 16-bit cache only, got {scale_mode} with {kv_dtype}"
@@ -1154,6 +1187,10 @@ def variant(
             f"transposed: the form takes at most {MAX_TRANSPOSED_ROWS} query rows, got "
             f"{query_len} x {group}"
         )
+    if not transposed and head_dim > 128:
+        # Its accumulator, 64 rows x 256 float32, is more than one MMA's registers.
+        raise ValueError(f"transposed: the other form takes head_dim up to 128, got {head_dim}")
+    block = tile_tokens(kv_dtype, head_dim)
     return {
         "GROUP": group,
         "QLEN": query_len,
@@ -1162,11 +1199,13 @@ def variant(
         "SCALE_MODE": scale_mode,
         "WRITE_LSE": write_lse,
         "STAGES": stages,
-        "HALF": half or default_half(scale_mode, transposed, page_size),
+        "HALF": half or default_half(scale_mode, transposed, page_size, block, head_dim),
         "LOAD_REGS": load_regs,
         "TRANSPOSED": transposed,
         "HAS_WINDOW": window,
         "KV16": kv16,
+        "BLOCK": block,
+        "D": head_dim,
     }
 
 
@@ -1180,10 +1219,10 @@ def _signature(constexprs, kv_dtype):
     """Argument types and alignment attributes of one variant (``constexprs``: from
     :func:`variant`), as a launch with contiguous q, out and block table specialises them,
     for compiling without a GPU."""
-    page_size = constexprs["PAGE_SIZE"]
-    box = box_shape(page_size, kv_dtype)
+    page_size, head_dim = constexprs["PAGE_SIZE"], constexprs["D"]
+    box = box_shape(page_size, kv_dtype, head_dim)
     kv = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    layout = kv_block_layout(page_size, kv_dtype)
+    layout = kv_block_layout(page_size, kv_dtype, head_dim)
     desc = f"tensordesc<{kv[kv_dtype]}{box},{layout!r}>"
     q = "*fp16" if kv_dtype == torch.float16 else "*bf16"
     types = {
@@ -1206,7 +1245,7 @@ def _signature(constexprs, kv_dtype):
     }
     # A launch specialises ints equal to 1 as constants.
     constexprs = {**constexprs, "stride_bt_col": 1}
-    tile_pages = max(tile_tokens(kv_dtype) // page_size, 1)
+    tile_pages = max(constexprs["BLOCK"] // page_size, 1)
     if tile_pages == 1:
         constexprs["tile_pages"] = 1
     signature, attrs = {}, {}
@@ -1234,6 +1273,7 @@ def compile_sm90a(
     transposed: bool | None = None,
     window: bool = False,
     kv_dtype: torch.dtype | str = torch.float8_e4m3fn,
+    head_dim: int = 128,
 ):
     """Compiles one variant (:func:`variant`'s arguments; ``kv_dtype`` also by its name in
     ``torch``) for sm_90a without a GPU (Triton's bundled ptxas); returns the compiled
@@ -1256,6 +1296,7 @@ def compile_sm90a(
         transposed=transposed,
         window=window,
         kv_dtype=kv_dtype,
+        head_dim=head_dim,
     )
     signature, constexprs, attrs = _signature(constexprs, kv_dtype)
     source = GluonASTSource(
@@ -1272,18 +1313,18 @@ def _descriptor(cache, kv_layout, page_size):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     strides = list(_cache_strides(cache, kv_layout))
-    heads = cache.shape[2 if kv_layout == "NHD" else 1]
+    heads, head_dim = cache.shape[2 if kv_layout == "NHD" else 1], cache.shape[3]
     if cache.shape[0] == 0:
         # No page to read (every work with tokens is a fault): a stand-in the kernel never
         # copies from, as a descriptor needs a nonzero shape.
-        cache = torch.zeros(1, page_size, heads, HEAD_DIM, dtype=cache.dtype, device=cache.device)
+        cache = torch.zeros(1, page_size, heads, head_dim, dtype=cache.dtype, device=cache.device)
         strides = list(cache.stride())
     return TensorDescriptor(
         cache,
-        shape=[cache.shape[0], page_size, heads, HEAD_DIM],
+        shape=[cache.shape[0], page_size, heads, head_dim],
         strides=strides,
-        block_shape=box_shape(page_size, cache.dtype),
-        layout=kv_block_layout(page_size, cache.dtype),
+        block_shape=box_shape(page_size, cache.dtype, head_dim),
+        layout=kv_block_layout(page_size, cache.dtype, head_dim),
     )
 
 
@@ -1299,7 +1340,7 @@ def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=N
     )
     if reason is not None:
         return reason
-    tile = tile_tokens(shape.kv_dtype)
+    tile = tile_tokens(shape.kv_dtype, shape.head_dim)
     fp8 = shape.kv_dtype == torch.float8_e4m3fn
     needs = [
         # (A 16-bit cache has the query's dtype: checks.check_decode_args.)
@@ -1436,6 +1477,7 @@ def launch(
         transposed=transposed,
         window=sliding_window is not None,
         kv_dtype=shape.kv_dtype,
+        head_dim=shape.head_dim,
     )
     gluon_decode_kernel[(plan.num_programs,)](
         q,
@@ -1451,7 +1493,7 @@ def launch(
         *block_table.stride(),
         shape.num_pages,
         min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
-        max(tile_tokens(shape.kv_dtype) // shape.page_size, 1),
+        max(constexprs["BLOCK"] // shape.page_size, 1),
         sliding_window or 0,
         seq_lens,
         plan.metadata,

@@ -177,22 +177,34 @@ def grid(
     kv_scales: Iterable[str | None] = ("per_tensor",),
     page_sizes: Iterable[int] = (1024,),
     ragged: bool = False,
+    head_dims: Iterable[int] = (128,),
+    heads: Iterable[tuple[int, int]] = ((16, 1),),
     **fields,
 ) -> list[Case]:
     """Every combination, ordered so cases that share a cache are adjacent.
 
     ``kv_scales`` apply to fp8 only (other dtypes get None); duplicates are dropped.
     With ``ragged``, each (dtype, scale, page, query_len) also gets the ragged batch.
+    ``heads``: (query heads, kv heads) pairs.
     """
     cases: list[Case] = []
     kv_scales = tuple(kv_scales)
     batches, contexts, query_lens = tuple(batches), tuple(contexts), tuple(query_lens)
-    for kv_dtype, page_size in itertools.product(kv_dtypes, page_sizes):
+    shapes = itertools.product(kv_dtypes, page_sizes, tuple(head_dims), tuple(heads))
+    for kv_dtype, page_size, head_dim, (num_q_heads, num_kv_heads) in shapes:
         scales = [s for s in kv_scales if s is not None] if kv_dtype == "fp8" else [None]
         if not scales:
             raise ValueError(f"kv_scales: fp8 needs one of {SCALE_MODES}, got {kv_scales}")
         for scale in dict.fromkeys(scales):
-            common = dict(kv_dtype=kv_dtype, kv_scale=scale, page_size=page_size, **fields)
+            common = dict(
+                kv_dtype=kv_dtype,
+                kv_scale=scale,
+                page_size=page_size,
+                head_dim=head_dim,
+                num_q_heads=num_q_heads,
+                num_kv_heads=num_kv_heads,
+                **fields,
+            )
             for batch, context, query_len in itertools.product(batches, contexts, query_lens):
                 cases.append(Case(batch=batch, context=context, query_len=query_len, **common))
             if ragged:
@@ -250,12 +262,15 @@ def select_cases(
     page_sizes: Sequence[int] | None = None,
     kv_scales: Sequence[str | None] | None = None,
     ragged: bool = False,
+    head_dims: Sequence[int] | None = None,
+    heads: Sequence[tuple[int, int]] | None = None,
 ) -> list[Case]:
     """The preset's cases, or, when any dimension is given, the grid of the given values.
 
-    Dimensions left out take the seed grid's values (FP8 per-tensor, page 1024).
+    Dimensions left out take the seed grid's values (FP8 per-tensor, page 1024, head_dim
+    128, 16 query heads on one kv head).
     """
-    given = (batches, contexts, query_lens, kv_dtypes, page_sizes, kv_scales)
+    given = (batches, contexts, query_lens, kv_dtypes, page_sizes, kv_scales, head_dims, heads)
     if all(v is None for v in given) and not ragged:
         return preset_cases(preset)
     return grid(
@@ -266,6 +281,8 @@ def select_cases(
         kv_scales=kv_scales or ("per_tensor",),
         page_sizes=page_sizes or (1024,),
         ragged=ragged,
+        head_dims=head_dims or (128,),
+        heads=heads or ((16, 1),),
     )
 
 

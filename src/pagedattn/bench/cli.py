@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedattn._cli_args import choice_list, int_list
+from pagedattn._cli_args import choice_list, heads_list, int_list
 
 PRESETS = ("seed", "quick", "full")
 
@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-scale",
         type=choice_list("per_tensor", "per_token"),
         help="FP8 scale modes: per_tensor,per_token",
+    )
+    shape.add_argument("--head-dim", type=int_list, help="64,128,256")
+    shape.add_argument(
+        "--heads",
+        type=heads_list,
+        help="query heads/kv heads pairs, e.g. 16/1,32/8 (default 16/1)",
     )
     shape.add_argument(
         "--ragged",

@@ -277,6 +277,8 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
             page_sizes=args.page_size,
             kv_scales=args.kv_scale,
             ragged=args.ragged,
+            head_dims=args.head_dim,
+            heads=args.heads,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -522,5 +524,14 @@ def finish(
 
 
 def _custom(args: argparse.Namespace) -> bool:
-    dims = (args.batch, args.context, args.query_len, args.kv_dtype, args.page_size, args.kv_scale)
+    dims = (
+        args.batch,
+        args.context,
+        args.query_len,
+        args.kv_dtype,
+        args.page_size,
+        args.kv_scale,
+        args.head_dim,
+        args.heads,
+    )
     return any(d is not None for d in dims) or args.ragged
