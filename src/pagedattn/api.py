@@ -213,17 +213,18 @@ def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group,
     gluon`, H200). bf16 caches: 1.019x faster in geometric mean over the seed grid's 30
     shapes (`pagedattn bench --kv-dtype bf16`, H200); fp16 caches, not measured on the
     family, keep the portable one. Whole step, 32 query heads on 8 kv heads, batch 16 / 128 x
-    8192 / 32768, query_len 1 and 4 (`benchmarks/results/hopper/head_dims.md`, H200): head_dim
-    256 per-tensor 0.86-0.96x the portable family's time (per-token 0.94-1.07x), head_dim 64
-    1.02-1.14x (per-token 1.17-1.60x); so head_dim 256 per-tensor on pages of a tile or more
-    is taken, other head_dim 64 and 256 steps are not."""
+    8192 / 32768, query_len 1 and 4 (`benchmarks/results/hopper/head_dims.md`,
+    `head_dim256_page16.md`, H200): head_dim 256 per-tensor 0.86-0.96x the portable family's
+    time at page 1024, 0.86-1.02x at page 16, per-token 0.94-1.07x at page 1024 (the rule
+    above keeps those portable), 0.87-1.01x at page 16, so head_dim 256 follows the rules of
+    128; head_dim 64 1.02-1.14x (per-token 1.17-1.60x) keeps the portable family."""
     shape = dict(kv_dtype=kv_dtype, query_len=query_len, head_dim=head_dim, page_size=page_size)
     if _hopper_shape_reason(**shape, group=group) is not None:
         return False
     if by_default and kv_dtype == torch.float16:
         return False
-    if by_default and head_dim != 128:
-        return head_dim == 256 and kv_scale == "per_tensor" and page_size >= 64
+    if by_default and head_dim == 64:
+        return False
     small_rows = query_len * group <= 16 and page_size >= 128
     return not by_default or kv_scale != "per_token" or not small_rows
 
@@ -680,9 +681,9 @@ def paged_decode(
         ``query_start_loc``; it raises ``ValueError`` for anything else. "auto" (default):
         the faster family for the call as measured on the H200 (:data:`AUTO_FAMILY`: the
         Hopper family where it covers the call, except per-token scales with at most 16
-        query rows on pages of >= 128 tokens, fp16 caches, head_dim 64, and head_dim 256
-        other than per-tensor on whole tiles; :func:`using_backend` changes the
-        preference). Both read the same plan and share the reducer.
+        query rows on pages of >= 128 tokens, fp16 caches and head_dim 64;
+        :func:`using_backend` changes the preference). Both read the same plan and share
+        the reducer.
 
     Returns
     -------
