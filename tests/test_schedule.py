@@ -321,6 +321,10 @@ def test_single_block_windows_match_the_registers(window):
         check_matches_numpy(windowed, lens, kwargs["partition_size"])
 
 
+_ONE_EACH = {}  # each case's plan with one scheduler program a decode program, made once
+
+
+@pytest.mark.xdist_group("scheduler_locals")  # one worker, so the reference plans are shared
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("locals_", [2, 4])
 def test_scheduler_programs_serving_several_decode_programs(locals_, chunked):
@@ -336,8 +340,10 @@ def test_scheduler_programs_serving_several_decode_programs(locals_, chunked):
         ([300, 5], dict(num_kv_heads=1, group=4, num_programs=16, partition_size=256)),
     ]
     default = ScheduleLaunchConfig()
-    for case_lens, kwargs in cases:
-        one = make_plan(case_lens, **kwargs, schedule=ScheduleLaunchConfig(locals=1))
+    for i, (case_lens, kwargs) in enumerate(cases):
+        if i not in _ONE_EACH:
+            _ONE_EACH[i] = make_plan(case_lens, **kwargs, schedule=ScheduleLaunchConfig(locals=1))
+        one = _ONE_EACH[i]
         # Windows of 4 (a program's works span several) and 32 (more than the block); windows
         # of 1 are the other chunked tests' (they cost 4x the interpreter time of 4).
         for window in (4, 32) if chunked else (default.window,):
