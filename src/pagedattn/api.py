@@ -176,6 +176,7 @@ def _preferred_family(backend: str = "auto") -> tuple[str, bool]:
 HOPPER_HEAD_DIMS = (64, 128, 256)  # 256: FP8 KV, at most 16 query rows a kv head
 HOPPER_MAX_QUERY_LEN = 8
 HOPPER_MAX_ROWS = 64  # query_len x query heads per kv head: one warpgroup MMA's M
+HOPPER_TRANSPOSED_ROWS = 16  # rows of its transposed form (the MMAs' N), head_dim 256's only
 HOPPER_MIN_PAGE = 8  # shorter pages would break the bulk copies' 8-row swizzle atoms
 
 
@@ -194,9 +195,13 @@ def _hopper_shape_reason(*, kv_dtype, query_len, head_dim, page_size, group) -> 
         ),
         (
             head_dim in HOPPER_HEAD_DIMS
-            and (head_dim <= 128 or (kv_dtype == torch.float8_e4m3fn and rows <= 16)),
-            f"head_dim one of {HOPPER_HEAD_DIMS} (256 with FP8 KV and at most 16 query rows a "
-            f"kv head), got {head_dim} with {kv_dtype} and {query_len} x {group} rows",
+            and (
+                head_dim <= 128
+                or (kv_dtype == torch.float8_e4m3fn and rows <= HOPPER_TRANSPOSED_ROWS)
+            ),
+            f"head_dim one of {HOPPER_HEAD_DIMS} (256 with FP8 KV and at most "
+            f"{HOPPER_TRANSPOSED_ROWS} query rows a kv head), got {head_dim} with {kv_dtype} "
+            f"and {query_len} x {group} rows",
         ),
         (page_size >= HOPPER_MIN_PAGE, f"page_size at least {HOPPER_MIN_PAGE}, got {page_size}"),
     )
@@ -221,11 +226,9 @@ def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group,
     shape = dict(kv_dtype=kv_dtype, query_len=query_len, head_dim=head_dim, page_size=page_size)
     if _hopper_shape_reason(**shape, group=group) is not None:
         return False
-    if by_default and kv_dtype == torch.float16:
+    if by_default and (kv_dtype == torch.float16 or head_dim == 64):
         return False
-    if by_default and head_dim == 64:
-        return False
-    small_rows = query_len * group <= 16 and page_size >= 128
+    small_rows = query_len * group <= HOPPER_TRANSPOSED_ROWS and page_size >= 128
     return not by_default or kv_scale != "per_token" or not small_rows
 
 

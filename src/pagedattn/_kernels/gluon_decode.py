@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..api import (
     HOPPER_HEAD_DIMS,
+    HOPPER_TRANSPOSED_ROWS,
     LOG2E,
     _cache_strides,
     _hopper_shape_reason,
@@ -66,7 +67,7 @@ from .records import (
 BLOCK_N = 128  # tokens per tile (FP8, head_dim up to 128)
 BLOCK_N16 = 64  # tokens per tile of a 16-bit cache (the same bytes at head_dim 128)
 HEAD_DIMS = HOPPER_HEAD_DIMS  # its scope in shapes: api._hopper_shape_reason
-MAX_TRANSPOSED_ROWS = 16  # query rows the transposed form takes (its MMAs' N)
+MAX_TRANSPOSED_ROWS = HOPPER_TRANSPOSED_ROWS  # query rows the transposed form takes
 # Scale modes (constexpr SCALE_MODE), as decode.py numbers them.
 SCALE_TENSOR, SCALE_TOKEN = 1, 2
 # Defaults: two stages, a cap of 128 registers a thread (two programs an SM; the compute
@@ -956,16 +957,14 @@ def gluon_decode_kernel(
     KV16: gl.constexpr,
     BLOCK: gl.constexpr,
     D: gl.constexpr,
+    HALVES: gl.constexpr,
 ):
     """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
     thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works.
     ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype); tiles of ``BLOCK`` tokens
-    (:func:`tile_tokens`) of ``D`` dims."""
+    (:func:`tile_tokens`) of ``D`` dims, copied ``HALVES`` boxes a page (:func:`page_parts`)."""
     KV_T: gl.constexpr = k_desc.dtype
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # pages a tile
-    # Copies a page: a gathered tile's rows of more than 128 bytes (16-bit at head_dim 128,
-    # FP8 at 256) are copied a 128-byte part of head_dim at a time (see _load_partition).
-    HALVES: gl.constexpr = 1 + ((D * (1 + KV16) + 127) // 128 - 1) * (SUB > 1)
     # V's fp16 copy (FP8 only): HALF tokens at a time (transposed), else the whole tile.
     V16_ROWS: gl.constexpr = BLOCK - (BLOCK - HALF) * TRANSPOSED
     P_ROWS: gl.constexpr = 8 + (R - 8) * TRANSPOSED  # P through shared memory (transposed)
@@ -1129,16 +1128,24 @@ def tile_tokens(kv_dtype: torch.dtype, head_dim: int = 128) -> int:
     return BLOCK_N if head_dim <= 128 else BLOCK_N // 2
 
 
+def page_parts(
+    page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn, head_dim: int = 128
+) -> int:
+    """Bulk copies a page and tensor takes: pages shorter than a tile with rows of more
+    than 128 bytes (16-bit at head_dim 128, FP8 at 256) a 128-byte part of head_dim at a
+    time (see ``_load_partition``), else one."""
+    if page_size >= tile_tokens(kv_dtype, head_dim):
+        return 1
+    return max(head_dim * kv_dtype.itemsize // 128, 1)
+
+
 def box_shape(
     page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn, head_dim: int = 128
 ) -> list[int]:
     """The box of one bulk copy, [1, tokens, 1, dims]: a whole tile, or a whole page shorter
-    than a tile (rows of more than 128 bytes a 128-byte part at a time, see
-    ``_load_partition``)."""
+    than a tile, a part of head_dim at a time (:func:`page_parts`)."""
     tile = tile_tokens(kv_dtype, head_dim)
-    row_bytes = head_dim * kv_dtype.itemsize
-    parts = max(row_bytes // 128, 1) if page_size < tile else 1
-    return [1, min(page_size, tile), 1, head_dim // parts]
+    return [1, min(page_size, tile), 1, head_dim // page_parts(page_size, kv_dtype, head_dim)]
 
 
 def kv_block_layout(
@@ -1206,6 +1213,7 @@ def variant(
         "KV16": kv16,
         "BLOCK": block,
         "D": head_dim,
+        "HALVES": page_parts(page_size, kv_dtype, head_dim),
     }
 
 
