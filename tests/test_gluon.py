@@ -645,6 +645,58 @@ def test_auto_takes_the_preferred_family(gen):
 
 @requires_gpu
 @pytest.mark.skipif(not _is_hopper(), reason="the Hopper family runs on sm_90")
+@pytest.mark.parametrize("kv", ["per_tensor", "bf16"])
+@pytest.mark.parametrize("sm_share", [None, 3])
+def test_pdl_launches_early_only_where_the_grid_fills_every_sm(gen, kv, sm_share, monkeypatch):
+    """With PDL on, the Hopper kernel asks how many of its programs fit on an SM and is
+    launched early (while the scheduler runs) only if the plan's grid fills every SM
+    exactly: the default plan (two programs an SM) does, a grid of 3 an SM does not. The
+    result is right either way, also for a plan with splits."""
+    from pagedattn import api
+    from pagedattn._kernels import gluon_decode
+
+    monkeypatch.setattr(api, "_PDL", True)
+    monkeypatch.setattr(api, "_programs_per_sm", {})
+    early = []
+    real_kernel = gluon_decode.gluon_decode_kernel
+
+    class Launches:  # records each launch's launch_pdl, then launches as before
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                early.append(kwargs["launch_pdl"])
+                return real_kernel[grid](*args, **kwargs)
+
+            return run
+
+        def warmup(self, *args, **kwargs):
+            return real_kernel.warmup(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_decode, "gluon_decode_kernel", Launches())
+    shape = _shape(group=16, kv=kv)
+    cache, q = random_step(
+        [3000, 1, 0, 700], **shape, device=DEVICE, generator=gen, q_dtype=_q_dtype(kv)
+    )
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    with api.using_backend("gluon"):  # its grid (two programs an SM) unless given
+        plan = pagedattn.plan_decode(
+            cache.seq_lens, **shape, num_programs=sm_share and sm_share * sms
+        )
+    assert plan.max_reduces > 0  # the 3000-token sequence is cut
+    out = pagedattn.paged_decode(*args, plan=plan, backend="gluon", **kw)
+    torch.cuda.synchronize()
+    ref = reference_decode(q, cache, cache.seq_lens)
+    assert rel_error(out[[0, 1, 3]], ref[[0, 1, 3]]) < TOL[kv]
+    assert bool((out[2] == 0).all())
+    (fits,) = api._programs_per_sm.values()
+    print(f"{kv}: {fits} Hopper programs fit per SM; {plan.num_programs} planned")
+    assert fits == api.HOPPER_PROGRAMS_PER_SM
+    assert early == [sm_share is None]
+
+
+@requires_gpu
+@pytest.mark.skipif(not _is_hopper(), reason="the Hopper family runs on sm_90")
 def test_bitwise_deterministic_over_20_runs(gen):
     args, kw = _small_call(gen=gen)
     # Few programs and short partitions: the long sequences are split and merged.

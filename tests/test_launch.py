@@ -289,19 +289,20 @@ def test_decode_launches_early_only_when_its_programs_fill_every_sm(
             asked.append(kwargs)
             return "compiled"
 
-    monkeypatch.setattr(api, "_decode_kernel", Kernel())
     monkeypatch.setattr(api, "programs_per_sm", lambda compiled: fits)
     monkeypatch.setattr(api, "sm_count", lambda device: 132)
     monkeypatch.setattr(api, "_programs_per_sm", {})
     plan = types.SimpleNamespace(device=torch.device("cpu"), num_programs=num_programs)
-    constexprs = dict(BLOCK_N=128, num_warps=2)
+    kernel = Kernel()
+    launch = dict(BLOCK_N=128, num_warps=2)
     dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16)
     for _ in range(2):
-        assert api._pdl_places_evenly((), constexprs, plan, dtypes) is early
+        assert api._pdl_places_evenly(kernel, (), launch, plan, dtypes) is early
     if num_programs % 132:
         assert asked == []
     else:
-        assert len(asked) == 1 and asked[0]["PDL"] and asked[0]["launch_pdl"]
-        other = dict(constexprs, BLOCK_N=64)  # another specialisation asks again
-        api._pdl_places_evenly((), other, plan, dtypes)
-        assert len(asked) == 2
+        assert asked == [dict(launch, grid=(num_programs,), launch_pdl=True)]
+        other = dict(launch, BLOCK_N=64)  # another specialisation asks again
+        api._pdl_places_evenly(kernel, (), other, plan, dtypes)
+        api._pdl_places_evenly(Kernel(), (), launch, plan, dtypes)  # and another kernel
+        assert len(asked) == 3

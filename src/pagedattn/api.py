@@ -1027,7 +1027,7 @@ def _portable_decode(
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )
     pdl = pdl_enabled(q.device) and _pdl_places_evenly(
-        args, constexprs, plan, (q.dtype, k_cache.dtype, out.dtype)
+        _decode_kernel, args, dict(constexprs, PDL=True), plan, (q.dtype, k_cache.dtype, out.dtype)
     )
     _decode_kernel[(plan.num_programs,)](*args, **constexprs, PDL=pdl, launch_pdl=pdl)
     reduce_partials(plan, out, lse, config.reduce, sinks=sinks, query_start_loc=query_start_loc)
@@ -1037,24 +1037,24 @@ def _portable_decode(
 _programs_per_sm: dict[tuple, int | None] = {}
 
 
-def _pdl_places_evenly(args: tuple, constexprs: dict, plan: DecodePlan, dtypes: tuple) -> bool:
-    """Whether the decode kernel may be launched early (PDL) without uneven SM shares: only
-    when its programs fill every SM exactly (the grid is SMs x the programs that fit on one),
-    so wherever they are placed first, each SM ends with the same number. Asks the CUDA
-    occupancy API once per specialisation (compiling the PDL variant without launching).
+def _pdl_places_evenly(kernel, args: tuple, launch: dict, plan: DecodePlan, dtypes: tuple) -> bool:
+    """Whether a decode kernel (either family's) may be launched early (PDL) without uneven
+    SM shares: only when its programs fill every SM exactly (the grid is SMs x the programs
+    that fit on one), so wherever they are placed first, each SM ends with the same number.
+    Asks the CUDA occupancy API once per specialisation (compiling the early-launched
+    variant, ``kernel.warmup(*args, **launch, launch_pdl=True)``, without launching it).
 
-    The specialisation's key: the constexprs (in the fixed order ``paged_decode`` builds
-    them) and ``dtypes``, those of the query, the cache and the output (the scales' and the
-    LSE's follow from the constexprs); a few values, as this runs on every call."""
+    The specialisation's key: the kernel, ``launch`` (its constexprs and options, in the
+    fixed order the caller builds them) and ``dtypes``, those of the query, the cache and the
+    output (the scales' and the LSE's follow from the constexprs); a few values, as this runs
+    on every call."""
     sms = sm_count(plan.device)
     if plan.num_programs % sms:
         return False
-    key = (plan.device.index, *dtypes, *constexprs.values())
+    key = (kernel, plan.device.index, *dtypes, *launch.values())
     fits = _programs_per_sm.get(key, -1)
     if fits == -1:
-        compiled = _decode_kernel.warmup(
-            *args, grid=(plan.num_programs,), **constexprs, PDL=True, launch_pdl=True
-        )
+        compiled = kernel.warmup(*args, grid=(plan.num_programs,), **launch, launch_pdl=True)
         fits = _programs_per_sm[key] = programs_per_sm(compiled)
     return fits is not None and fits * sms == plan.num_programs
 

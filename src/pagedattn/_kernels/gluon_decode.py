@@ -49,7 +49,9 @@ from ..api import (
     LOG2E,
     _cache_strides,
     _hopper_shape_reason,
+    _pdl_places_evenly,
     _scale_strides,
+    pdl_enabled,
     reduce_partials,
 )
 from .records import (
@@ -114,6 +116,30 @@ def query_rows(group: int, query_len: int, transposed: bool) -> int:
     if not transposed:
         return 64
     return 8 if group * query_len <= 8 else 16
+
+
+@gluon.jit
+def _wait_for_prior_grid():
+    """Programmatic dependent launch: waits until the grid launched before this one (the
+    scheduler) has finished and its writes are visible. Every role calls it before touching
+    memory; in a plain launch it returns at once."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _release_dependents():
+    """Programmatic dependent launch: lets the next grid (the reducer) be placed once every
+    program has called this or exited; it still waits for this grid's writes."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // dummy $0",
+        "=r",
+        [],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
@@ -547,6 +573,7 @@ def _load_partition(
     the whole tile (the 128-byte swizzle's span)."""
     flag_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
+    _wait_for_prior_grid()
     pid = gl.program_id(0)
     work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
     work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
@@ -696,6 +723,7 @@ def _compute_partition(
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [4, 1], [1, 0])
     # Page ids of a gathered tile, one token a thread (and the load warp's slot flags).
     pg_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    _wait_for_prior_grid()
     if SCALE_MODE == 1:
         k_scale = gl.load(k_scale_ptr)
         v_scale = gl.load(v_scale_ptr)
@@ -906,6 +934,8 @@ def _compute_partition(
             row_l,
             o_l,
         )
+    # After this program's last write.
+    _release_dependents()
 
 
 @gluon.jit
@@ -1487,7 +1517,7 @@ def launch(
         kv_dtype=shape.kv_dtype,
         head_dim=shape.head_dim,
     )
-    gluon_decode_kernel[(plan.num_programs,)](
+    args = (
         q,
         q.stride(0),
         q.stride(1),
@@ -1516,8 +1546,15 @@ def launch(
         plan.partials,
         plan.partials[plan.lse_offset :],
         sm_scale * LOG2E,
-        **constexprs,
-        num_warps=NUM_WARPS,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
+    options = dict(num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}))
+    # Launched early (while the scheduler runs) only where its grid fills every SM exactly.
+    pdl = pdl_enabled(q.device) and _pdl_places_evenly(
+        gluon_decode_kernel,
+        args,
+        {**constexprs, **options},
+        plan,
+        (q.dtype, k_cache.dtype, out.dtype),
+    )
+    gluon_decode_kernel[(plan.num_programs,)](*args, **constexprs, **options, launch_pdl=pdl)
     reduce_partials(plan, out, lse, reduce_config)
