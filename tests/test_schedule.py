@@ -189,8 +189,17 @@ def test_plan_invariants_and_numpy_twin(case):
         ([1000], 8, 128),  # 4 partitions of 256 leave half of 8 programs idle: 128
         ([1000], 7, 256),  # ... but not half of 7
         ([5000], 64, 256),  # longer than 32 x 128 tokens
-        ([300] * 8, 8, 256),  # 16 partitions of 256 keep 8 programs busy
+        ([300] * 8, 8, 512),  # 16 partitions of 256 keep 8 programs busy: whole sequences
         ([4096, 1, 7], 64, 128),
+        # One partition a sequence where the busiest program holds no more than with 256:
+        ([1024] * 8, 9, 1024),  # 4 partitions of 256 a program, or one sequence
+        ([1024] * 4, 9, 256),  # 2 partitions of 256 a program: half a sequence
+        ([8192] * 9, 9, 8192),
+        ([1000, 600] * 4, 9, 1024),  # ragged: 1000 tokens either way
+        ([1000, 200] * 4, 9, 256),  # ragged: 768 against 1000
+        ([512] * 8 + [0] * 2, 9, 256),  # padding slots count: 2 x 512 against 512
+        ([65536] * 4, 4, 65536),
+        ([70000] * 4, 4, 256),  # balanced, but beyond 65536 tokens
     ],
 )
 def test_scheduler_picks_the_partition_size(lens, num_programs, expected):
@@ -300,6 +309,18 @@ def test_chunked_scan_matches_single_block(window):
     chunked = make_plan(lens, **kwargs, schedule=ScheduleLaunchConfig(block=16, window=window))
     assert_same_plan(single, chunked)
     check_matches_numpy(chunked, lens, 64)
+
+
+def test_chunked_scan_picks_the_partition_size_as_one_block():
+    """The chunked scan (chunks of 16 sequences) picks the partition size from the same sums:
+    here one partition a sequence, 23 sequences on 23 programs."""
+    lens = [1024] * 20 + [700, 0, 300]
+    kwargs = dict(num_kv_heads=1, group=4, num_programs=23, partition_size=None)
+    single = make_plan(lens, **kwargs)
+    chunked = make_plan(lens, **kwargs, schedule=ScheduleLaunchConfig(block=16, window=4))
+    assert single.step_partition_size() == chunked.step_partition_size() == 1024
+    assert_same_plan(single, chunked)
+    check_matches_numpy(chunked, lens, None)
 
 
 @pytest.mark.parametrize("window", [1, 4])

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from ._kernels import records, schedule
-from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN
+from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN, AUTO_WHOLE_MAX_LEN
 
 WORK_FIELDS = records.WORK_FIELDS.value
 REDUCE_FIELDS = records.REDUCE_FIELDS.value
@@ -469,12 +469,20 @@ def _partitions(lens: np.ndarray, partition_size: int) -> np.ndarray:
 def auto_partition_size(seq_lens, programs_per_head: int, query_len: int = 1) -> int:
     """The partition size the scheduler picks when the plan leaves it open: 128 when
     256-token partitions would leave at least half the programs of a kv head idle and no
-    sequence exceeds 32 x 128 tokens, else 256."""
+    sequence exceeds 32 x 128 tokens; else one partition a sequence (the next power of two of
+    the longest valid length, at least 256) where the longest is at most 65536 tokens and the
+    busiest program holds no more tokens that way (``cdiv(batch, programs_per_head)`` x the
+    longest) than with 256-token partitions (``cdiv(partitions, programs_per_head)`` x 256);
+    else 256."""
     lens = valid_lens(seq_lens, query_len)
     total_large = int(_partitions(lens, AUTO_LARGE.value).sum())
     longest = int(lens.max(initial=0))
     if 2 * total_large <= programs_per_head and longest <= AUTO_SMALL_MAX_LEN.value:
         return int(AUTO_SMALL.value)
+    busiest_large = -(-total_large // programs_per_head) * AUTO_LARGE.value
+    busiest_whole = -(-len(lens) // programs_per_head) * longest
+    if busiest_whole <= busiest_large and longest <= AUTO_WHOLE_MAX_LEN.value:
+        return 1 << max(longest - 1, AUTO_LARGE.value - 1).bit_length()
     return int(AUTO_LARGE.value)
 
 

@@ -67,12 +67,16 @@ from .records import (
 # Partition sizes the scheduler picks between when the planner leaves it the choice
 # (PARTITION_SHIFT == 0): the small one when 256-token partitions would leave at least half
 # the programs of a kv head idle and no sequence would be cut into more than 32 of them;
-# else 256 (docs/performance-log.md, "Partition size and load balance").
+# else one partition a sequence (the next power of two of the longest, at least 256, at most
+# AUTO_WHOLE_MAX_LEN) where the busiest program holds no more tokens that way than with 256
+# (no sequence cut, none merged); else 256 (docs/performance-log.md, "Partition size and
+# load balance").
 AUTO_SMALL = tl.constexpr(128)
 AUTO_LARGE = tl.constexpr(256)
 AUTO_SMALL_MAX_LEN = tl.constexpr(32 * 128)
 AUTO_SMALL_SHIFT = tl.constexpr(7)  # log2(AUTO_SMALL)
 AUTO_LARGE_SHIFT = tl.constexpr(8)
+AUTO_WHOLE_MAX_LEN = tl.constexpr(1 << 16)
 # A batch-invariant plan cuts a sequence into at most this many chunks (a power of two).
 INVARIANT_MAX_CHUNKS = tl.constexpr(16)
 INT32_MIN = tl.constexpr(-(2**31))
@@ -164,10 +168,19 @@ def _record_lengths(
 
 
 @triton.jit
-def _auto_shift(total_large, max_len, PROGRAMS_PER_HEAD: tl.constexpr):
-    """log2 of the partition size picked from the lengths (see AUTO_SMALL)."""
-    small = (2 * total_large <= PROGRAMS_PER_HEAD) & (max_len <= AUTO_SMALL_MAX_LEN)
-    return tl.where(small, AUTO_SMALL_SHIFT, AUTO_LARGE_SHIFT)
+def _auto_shift(total_large, longest, batch, PROGRAMS_PER_HEAD: tl.constexpr):
+    """log2 of the partition size picked from the lengths (see AUTO_SMALL): ``total_large``
+    partitions of 256 tokens, the ``longest`` valid length, ``batch`` sequences (as many
+    partitions when each is one)."""
+    small = (2 * total_large <= PROGRAMS_PER_HEAD) & (longest <= AUTO_SMALL_MAX_LEN)
+    # Tokens of the busiest program each way (in 64 bits: large batches of long sequences).
+    busiest_large = tl.cdiv(total_large, PROGRAMS_PER_HEAD).to(tl.int64) * AUTO_LARGE
+    busiest_whole = tl.cdiv(batch, PROGRAMS_PER_HEAD).to(tl.int64) * longest
+    whole = (busiest_whole <= busiest_large) & (longest <= AUTO_WHOLE_MAX_LEN)
+    # ceil(log2(longest)) from the float's exponent (exact: longest - 1 < 2^24).
+    top = (tl.maximum(longest, AUTO_LARGE) - 1).to(tl.float32).to(tl.int32, bitcast=True)
+    whole_shift = (top >> 23) - 126
+    return tl.where(small, AUTO_SMALL_SHIFT, tl.where(whole, whole_shift, AUTO_LARGE_SHIFT))
 
 
 # Below this many partitions per head, _div_small's estimate is exact by itself.
@@ -428,6 +441,7 @@ def _schedule_kernel(
             shift = _auto_shift(
                 tl.sum(_at_least_one(tl.cdiv(lens, AUTO_LARGE), in_batch), axis=0),
                 tl.max(lens, axis=0),
+                batch,
                 PROGRAMS_PER_HEAD,
             )
         else:
@@ -496,8 +510,10 @@ def _schedule_kernel(
             else:
                 total += tl.sum(_parts(lens, in_batch, PARTITION_SHIFT), axis=0)
         if PARTITION_SHIFT == 0:
-            shift = _auto_shift(total_large, longest, PROGRAMS_PER_HEAD)
-            total = tl.where(shift == AUTO_LARGE_SHIFT, total_large, total)
+            shift = _auto_shift(total_large, longest, batch, PROGRAMS_PER_HEAD)
+            # One partition a sequence: as many as sequences (also when that is 256 tokens).
+            total = tl.where(shift == AUTO_SMALL_SHIFT, total, total_large)
+            total = tl.where(shift > AUTO_LARGE_SHIFT, zero + batch, total)
         else:
             shift = zero + PARTITION_SHIFT
         base = total // PROGRAMS_PER_HEAD
