@@ -338,9 +338,10 @@ def plan_decode(
         tuning table's; else, with ``max_seq_len``, 256 or, when that shows 256-token
         partitions would leave programs idle (small batches of short sequences), a size in
         64..512 that gives about one partition per program
-        (:func:`pagedattn.launch.default_partition`); else the scheduler picks 128 or
-        256 on the GPU each step from the lengths (the plan's ``partition_size`` is then None;
-        :func:`pagedattn.plan.auto_partition_size` states the rule).
+        (:func:`pagedattn.launch.default_partition`); else the scheduler picks 128, 256 or
+        one partition a sequence on the GPU each step from the lengths (the plan's
+        ``partition_size`` is then None; :func:`pagedattn.plan.auto_partition_size` states
+        the rule).
     reuse : DecodePlan, optional
         A plan made earlier for the same sizes whose buffers are refilled instead of allocating
         new ones (what a serving loop does every step). ``num_programs`` and

@@ -128,8 +128,9 @@ class DecodePlan:
     kv_dtype: torch.dtype
     kv_scale: str | None
     num_programs: int
-    # Tokens per partition, or None: the scheduler picks 128 or 256 on the GPU each step from
-    # the lengths (``auto_partition_size``); ``step_partition_size()`` reads what it picked.
+    # Tokens per partition, or None: the scheduler picks 128, 256 or one partition a sequence
+    # on the GPU each step from the lengths (``auto_partition_size``);
+    # ``step_partition_size()`` reads what it picked.
     partition_size: int | None
     metadata: torch.Tensor  # int32, all records below
     partials: torch.Tensor  # float32, partial outputs then partial LSEs
