@@ -325,8 +325,8 @@ def plan_decode(
         Scale mode of an FP8 cache (None for bf16/fp16).
     num_programs : int, optional
         Persistent grid size, a multiple of ``num_kv_heads``. Default: where the step will run
-        on the Hopper family (``backend="auto"`` on sm_90 for the FP8 steps it takes by
-        default, see ``paged_decode``'s ``backend``; or any FP8 step it covers inside
+        on the Hopper family (``backend="auto"`` on sm_90 for the steps it takes by
+        default, see ``paged_decode``'s ``backend``; or any step it covers inside
         ``using_backend("gluon")``), two programs per SM (its kernel's occupancy) and
         partitions of at least 128 tokens; else SMs x the
         multiplier of the tuning table's row for this device and shape when ``max_seq_len`` is
