@@ -313,9 +313,9 @@ def test_chunked_scan_matches_single_block(window):
 
 def test_chunked_scan_picks_the_partition_size_as_one_block():
     """The chunked scan (chunks of 16 sequences) picks the partition size from the same sums:
-    here one partition a sequence, 23 sequences on 23 programs."""
-    lens = [1024] * 20 + [700, 0, 300]
-    kwargs = dict(num_kv_heads=1, group=4, num_programs=23, partition_size=None)
+    here one partition a sequence, 17 sequences on 17 programs."""
+    lens = [1024] * 14 + [700, 0, 300]
+    kwargs = dict(num_kv_heads=1, group=4, num_programs=17, partition_size=None)
     single = make_plan(lens, **kwargs)
     chunked = make_plan(lens, **kwargs, schedule=ScheduleLaunchConfig(block=16, window=4))
     assert single.step_partition_size() == chunked.step_partition_size() == 1024
