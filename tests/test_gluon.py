@@ -7,6 +7,7 @@ the cubin's resource usage with the bundled cuobjdump. NHD and HND compile to th
 once. The GPU tests run ``gluon_paged_decode`` against the float64 reference.
 """
 
+import fcntl
 import importlib.util
 import itertools
 import json
@@ -142,10 +143,7 @@ print(json.dumps(results))
 """
 
 
-# Session-scoped: the worker that runs the build tests may run other modules' tests between
-# them, and a module-scoped fixture would be torn down and the variants built again.
-@pytest.fixture(scope="session")
-def builds():
+def _build_variants() -> str:
     env = dict(os.environ, TRITON_INTERPRET="0")
     src = str(Path(pagedattn.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
@@ -157,7 +155,26 @@ def builds():
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    return {json.dumps(r["variant"], sort_keys=True): r for r in json.loads(run.stdout)}
+    return run.stdout
+
+
+# Session-scoped: the worker that runs the build tests may run other modules' tests between
+# them, and a module-scoped fixture would be torn down and the variants built again. Under
+# pytest-xdist the group's last tests may still go to an idle worker, so the workers of one
+# session share one build: the first builds under a file lock, the others read its result.
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory):
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        results = _build_variants()
+    else:
+        session_dir = tmp_path_factory.getbasetemp().parent  # one per session, every worker
+        done = session_dir / "sm90a_builds.json"
+        with open(session_dir / "sm90a_builds.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                done.write_text(_build_variants())
+            results = done.read_text()
+    return {json.dumps(r["variant"], sort_keys=True): r for r in json.loads(results)}
 
 
 @needs_gluon_build
