@@ -494,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--half",
         type=int,
         default=None,
-        help="tokens of V converted at a time (default: the kernel's)",
+        help="tokens of V converted at a time in the rows form (default: the kernel's)",
     )
     p.add_argument("--partition", type=int, default=256, help="the Hopper plans' partition")
     p.add_argument(

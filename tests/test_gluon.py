@@ -204,6 +204,26 @@ def test_sm90a_build(builds, variant):
     assert 0 < r["reg"] <= 255, r
 
 
+@needs_gluon_build
+def test_variant_takes_half_only_where_v_is_converted():
+    from pagedattn._kernels import gluon_decode
+
+    # The rows form (64 query rows) converts an FP8 V tile HALF tokens at a time ...
+    rows = dict(group=16, query_len=4, page_size=1024, scale_mode=1, write_lse=False)
+    assert gluon_decode.variant(**rows)["HALF"] == 32
+    assert gluon_decode.variant(**rows, half=64)["HALF"] == 64
+    # ... the transposed form reads it into registers, and a 16-bit V is multiplied as stored.
+    assert gluon_decode.variant(**dict(rows, group=4))["HALF"] == gluon_decode.BLOCK_N
+    for kw in (
+        dict(rows, half=48),  # not a divisor of the tile
+        dict(rows, half=-32),
+        dict(rows, group=4, half=64),
+        dict(rows, scale_mode=0, kv_dtype=torch.bfloat16, half=32),
+    ):
+        with pytest.raises(ValueError, match="half: tokens of V converted at a time"):
+            gluon_decode.variant(**kw)
+
+
 # -- on a GPU: against the float64 reference --
 
 HEAD_DIM = 128
@@ -799,9 +819,10 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
     assert family == "gluon" and plan.num_programs == hopper_grid
     # The length hint alone would give 64-token partitions here; the family's tile is 128.
     assert plan.partition_size >= api.HOPPER_MIN_PARTITION
-    # Gathered tiles and more query rows, either scale mode, bf16 caches: the Hopper family
-    # too.
+    # Gathered tiles and more query rows, either scale mode, bf16 caches, FP8 per-tensor at
+    # head_dim 64: the Hopper family too.
     for kw in (
+        dict(kv="per_token"),
         dict(page_size=16),
         dict(page_size=16, kv="per_token"),
         dict(query_len=4),
@@ -812,18 +833,19 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
         dict(head_dim=256),  # measured faster, as at 128
         dict(head_dim=256, page_size=16),
         dict(head_dim=256, page_size=16, kv="per_token"),
+        dict(head_dim=256, kv="per_token"),
+        dict(head_dim=64),
+        dict(head_dim=64, page_size=16),
     ):
         plan, family = _choice(monkeypatch, **kw)
         assert family == "gluon" and plan.num_programs == hopper_grid, kw
-    # Per-token scales with few query rows on whole-tile pages, other shapes, or the portable
-    # preference: the portable grid and family.
+    # fp16 caches, head_dim 64 but FP8 per-tensor, other shapes, or the portable preference:
+    # the portable grid and family.
     for kw in (
-        dict(kv="per_token"),
         dict(kv="fp16"),  # not measured on the Hopper family
         dict(preference="triton"),
-        dict(head_dim=64),  # measured slower on the Hopper family
-        dict(head_dim=64, kv="bf16"),
-        dict(head_dim=256, kv="per_token"),  # few rows on whole tiles, as at 128
+        dict(head_dim=64, kv="per_token"),  # measured slower on the Hopper family
+        dict(head_dim=64, kv="bf16"),  # not measured on it
         dict(page_size=4),
     ):
         plan, family = _choice(monkeypatch, **kw)

@@ -105,7 +105,7 @@ BACKENDS = ("auto", "triton", "gluon")
 # 88.5 against 105.0 µs; query_len 4, 16 query heads, 94.7 against 100.2 µs.
 AUTO_FAMILY = "gluon"
 # The Hopper kernel's occupancy: two programs an SM (a load warp and a compute warpgroup each,
-# 128 registers a thread, 107 KB of shared memory).
+# 128 registers a thread, at most 113 KB of shared memory).
 HOPPER_PROGRAMS_PER_SM = 2
 HOPPER_MIN_PARTITION = 128  # its tile
 # Inside ``using_backend``: what ``backend="auto"`` prefers.
@@ -212,24 +212,22 @@ def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group,
     """Whether the Hopper family takes a step of this shape when it is preferred, on a device
     where it runs; the call's other arguments are judged at decode time
     (:func:`pagedattn._kernels.gluon_decode.unsupported`). ``by_default``: preferred by
-    ``AUTO_FAMILY``, which takes every step it covers but those with per-token scales where
-    at most 16 query rows meet whole-tile pages (there the portable family was faster:
-    128 x 8192, query_len 1, decode + reduce 86.0 against 93.5 µs, `benchmarks/micro.py
-    gluon`, H200). bf16 caches: 1.019x faster in geometric mean over the seed grid's 30
-    shapes (`pagedattn bench --kv-dtype bf16`, H200); fp16 caches, not measured on the
-    family, keep the portable one. Whole step, 32 query heads on 8 kv heads, batch 16 / 128 x
-    8192 / 32768, query_len 1 and 4 (`benchmarks/results/hopper/head_dims.md`,
-    `head_dim256_page16.md`, H200): head_dim 256 per-tensor 0.86-0.96x the portable family's
-    time at page 1024, 0.86-1.02x at page 16, per-token 0.94-1.07x at page 1024 (the rule
-    above keeps those portable), 0.87-1.01x at page 16, so head_dim 256 follows the rules of
-    128; head_dim 64 1.02-1.14x (per-token 1.17-1.60x) keeps the portable family."""
+    ``AUTO_FAMILY``, which takes every step it covers but fp16 caches (not measured on the
+    family) and head_dim 64 other than FP8 with per-tensor scales (per-token slower, 16-bit
+    caches not measured). Whole step against the portable family
+    (`pagedattn bench --providers pagedattn-triton,pagedattn-gluon`, H200): per-token scales,
+    16 query heads on 1 and 32 on 8, batch 16 / 128 x 8192 / 32768, query_len 1 and 4,
+    pages 16 and 1024, 0.70-1.00x its time (`benchmarks/results/hopper/per_token_families.md`);
+    head_dim 64, 32 query heads on 8, per-tensor 0.74-0.92x, per-token 0.97-1.10x
+    (`head_dim64_families.md`); head_dim 256 per-tensor 0.86-0.96x at page 1024, 0.86-1.02x
+    at page 16, per-token 0.89-0.96x at page 1024 (`head_dims.md`, `head_dim256_page16.md`,
+    `head_dim256_per_token.md`); bf16 caches 1.019x faster in geometric mean over the seed
+    grid's 30 shapes (`bf16_gluon.md`)."""
     shape = dict(kv_dtype=kv_dtype, query_len=query_len, head_dim=head_dim, page_size=page_size)
     if _hopper_shape_reason(**shape, group=group) is not None:
         return False
-    if by_default and (kv_dtype == torch.float16 or head_dim == 64):
-        return False
-    small_rows = query_len * group <= HOPPER_TRANSPOSED_ROWS and page_size >= 128
-    return not by_default or kv_scale != "per_token" or not small_rows
+    fp8_tensor = kv_dtype == torch.float8_e4m3fn and kv_scale != "per_token"
+    return not by_default or not (kv_dtype == torch.float16 or (head_dim == 64 and not fp8_tensor))
 
 
 def _hopper_shape(device, **shape) -> bool:
@@ -684,8 +682,8 @@ def paged_decode(
         16-bit cache or at head_dim 256), a sliding window or none, no sinks, soft cap or
         ``query_start_loc``; it raises ``ValueError`` for anything else. "auto" (default):
         the faster family for the call as measured on the H200 (:data:`AUTO_FAMILY`: the
-        Hopper family where it covers the call, except per-token scales with at most 16
-        query rows on pages of >= 128 tokens, fp16 caches and head_dim 64;
+        Hopper family where it covers the call, except fp16 caches and head_dim 64 other
+        than FP8 with per-tensor scales;
         :func:`using_backend` changes the preference). Both read the same plan and share
         the reducer.
 

@@ -19,16 +19,18 @@ Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
 - the compute warpgroup (``_compute_partition``), per work: the query as two e4m3 terms in
   shared memory (``_load_query``; a 16-bit cache's query as it is); per tile: scores on FP8
   wgmma with the keys as stored (``_scores``), online softmax in log2 units (``_softmax``),
-  values (V to fp16 through shared memory, P V on fp16 wgmma; a 16-bit V straight out of its
-  slot; the slot handed back once K and V are read); then the
+  values (P V on fp16 wgmma: an FP8 V read out of its slot into registers as fp16, or
+  converted through shared memory; a 16-bit V straight out of its slot; the slot handed
+  back once K and V are read); then the
   epilogue (``_epilogue``: fault bits, then ``out`` rows and LSE (natural log) or the work's
   partial slot (float32 rows, LSE in log2 units) for the shared reducer).
 
 Two forms of the MMAs (constexpr ``TRANSPOSED``): up to 16 query rows, S^T = K Q^T and O^T =
 V^T P^T with the rows as N (padded to ``R`` = 8 or 16; row sums kept per thread, P through
-shared memory, V converted ``HALF`` tokens at a time between MMAs, ``_values``); more rows,
+shared memory, an FP8 V^T as the A operand in registers, ``_v_operand``); more rows,
 S = Q K^T and O = P V with 64 rows as M (row maxima and sums within a thread quad, P in
-registers as the A operand, the whole V tile converted before the MMA).
+registers as the A operand, the whole V tile converted to fp16 in shared memory, ``HALF``
+tokens at a time, before the MMA).
 """
 
 import torch
@@ -83,24 +85,15 @@ NUM_WARPS = 4
 LN2 = gl.constexpr(0.6931471805599453)
 
 
-def default_half(
-    scale_mode: int,
-    transposed: bool = True,
-    page_size: int = BLOCK_N,
-    block: int = BLOCK_N,
-    head_dim: int = 128,
-) -> int:
-    """Tokens of V converted to fp16 at a time. Transposed form: a whole tile, where it does
-    not spill (per-tensor scales, a page a tile), else 64; 128 x 8192 per-tensor, decode +
-    reduce: 85.7 / 81.9 / 78.0 µs at 32 / 64 / 128 (`benchmarks/micro.py gluon --half`,
-    H200). The other form converts the whole tile before its MMA, 32 tokens at a time (its
-    score and output accumulators take 128 registers a thread). ``block``: the tile's
-    tokens (:func:`tile_tokens`), which it never exceeds; at head_dim 256 a part is half as
-    many tokens (the same values a thread as at 128; 64 spilled with per-token scales)."""
-    if not transposed:
-        return 32
-    whole = scale_mode == SCALE_TENSOR and page_size >= block
-    return block if whole else min(64 * 128 // max(head_dim, 128), block)
+def default_half(transposed: bool = False, block: int = BLOCK_N) -> int:
+    """Tokens of an FP8 V tile converted to fp16 in shared memory at a time: the rows form
+    converts the whole tile before its MMA, 32 tokens at a time (its score and output
+    accumulators take 128 registers a thread). The transposed form reads V into registers
+    instead (``_v_operand``), so its ``HALF`` is the tile's ``block`` tokens and unused;
+    whole step 0.942x in geometric mean over the seed grid's per-tensor query_len-1 shapes
+    at pages 16 and 1024 against converting through shared memory (`scripts/gpu_check.sh
+    ab_src`, H200)."""
+    return block if transposed else 32
 
 
 def default_transposed(group: int, query_len: int) -> bool:
@@ -418,35 +411,24 @@ def _stage_p(
 
 
 @gluon.jit
-def _values(
-    o,
-    v_tile,
-    v16_s,
-    p_s,
-    empty,
-    slot,
-    start,
-    token_end,
-    BLOCK: gl.constexpr,
-    HALF: gl.constexpr,
-    blk: gl.constexpr,
-):
-    """Values role of the transposed form: O^T += V^T P^T, ``HALF`` tokens of V at a time
-    (chunk 0 is already in ``v16_s``); once every warp has read the V slot,
-    ``empty[slot]`` hands it back to the load warp."""
-    for h in gl.static_range(BLOCK // HALF):
-        if h > 0:
-            _convert_v(v_tile, v16_s, h, start, token_end, HALF, blk)
-        if h == BLOCK // HALF - 1:
-            fence_async_shared()  # this warpgroup's reads before the next bulk copy
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(slot))
-        fence_async_shared()
-        gl.thread_barrier()
-        o = warpgroup_mma(
-            v16_s.permute((1, 0)), p_s.slice(h * HALF, HALF, dim=1).permute((1, 0)), o
-        )
-    return o
+def _v_operand(v_tile, h, start, token_end, PART: gl.constexpr, a_l: gl.constexpr):
+    """Part ``h`` (``PART`` tokens) of the transposed form's FP8 V tile as the A operand of
+    O^T += V^T P^T: V^T read out of its slot straight into registers (``a_l``) as fp16,
+    tokens past the work's end (whatever the slot holds) as zeros."""
+    vt = v_tile.slice(h * PART, PART).permute((1, 0)).load(a_l).to(gl.float16)
+    if start + (h + 1) * PART > token_end:
+        tok = start + h * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, a_l))
+        vt = gl.where((tok < token_end)[None, :], vt, 0.0)
+    return vt
+
+
+@gluon.jit
+def _hand_back(empty, slot):
+    """The slot's K and V read by every warp of the warpgroup: ``empty[slot]`` hands it back
+    to the load warp."""
+    fence_async_shared()  # this warpgroup's reads before the next bulk copy
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(slot))
 
 
 @gluon.jit
@@ -716,6 +698,11 @@ def _compute_partition(
         o_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
         )
+    # The transposed form's FP8 V^T as the P V MMA's A operand, in registers.
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    # Tokens of it a part: half a tile where per-token scales meet gathered tiles (their
+    # page ids and scales a token leave no room for all of it beside the softmax), else all.
+    V_PART: gl.constexpr = BLOCK // 2 if SCALE_MODE == 2 and PAGE_SIZE < BLOCK else BLOCK
     tok_l: gl.constexpr = gl.SliceLayout(ROW_AXIS, s_l)
     row_l: gl.constexpr = gl.SliceLayout(TOK_AXIS, s_l)
     # 16 values of head_dim a thread, 128 columns a warp (64 with head_dim 64).
@@ -846,7 +833,11 @@ def _compute_partition(
             if KV16:
                 s = warpgroup_mma_wait(0, deps=[s])
             elif TRANSPOSED:
-                _convert_v(v2.index(buf), v16_s, 0, start, token_end, HALF, blk)
+                # V^T's first part into registers while Q K^T runs (all of it, handing the
+                # slot back before the softmax, unless it takes two parts).
+                vt = _v_operand(v2.index(buf), 0, start, token_end, V_PART, a_l)
+                if V_PART == BLOCK:
+                    _hand_back(empty, buf)
                 s = warpgroup_mma_wait(0, deps=[s])
             else:
                 for h in gl.static_range(BLOCK // HALF):
@@ -888,9 +879,13 @@ def _compute_partition(
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(buf))
             elif TRANSPOSED:
-                o = _values(
-                    o, v2.index(buf), v16_s, p_s, empty, buf, start, token_end, BLOCK, HALF, blk
-                )
+                fence_async_shared()  # P^T's stores before the MMA reads them
+                gl.thread_barrier()
+                o = warpgroup_mma(vt, p_s.slice(0, V_PART, dim=1).permute((1, 0)), o)
+                if V_PART < BLOCK:
+                    vt = _v_operand(v2.index(buf), 1, start, token_end, V_PART, a_l)
+                    _hand_back(empty, buf)
+                    o = warpgroup_mma(vt, p_s.slice(V_PART, V_PART, dim=1).permute((1, 0)), o)
             else:
                 o = warpgroup_mma(p16, v16_s, o)
             if SCALE_MODE != 2:
@@ -995,8 +990,6 @@ def gluon_decode_kernel(
     (:func:`tile_tokens`) of ``D`` dims, copied ``HALVES`` boxes a page (:func:`page_parts`)."""
     KV_T: gl.constexpr = k_desc.dtype
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # pages a tile
-    # V's fp16 copy (FP8 only): HALF tokens at a time (transposed), else the whole tile.
-    V16_ROWS: gl.constexpr = BLOCK - (BLOCK - HALF) * TRANSPOSED
     P_ROWS: gl.constexpr = 8 + (R - 8) * TRANSPOSED  # P through shared memory (transposed)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], KV_T)
     k_s = gl.allocate_shared_memory(KV_T, [STAGES, 1, BLOCK, 1, D], k_desc.layout)
@@ -1018,11 +1011,14 @@ def gluon_decode_kernel(
     else:
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], gl.float8e4nv)
         p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P_ROWS, BLOCK], gl.float16)
-        v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([V16_ROWS, D], gl.float16)
-        v16_s = gl.allocate_shared_memory(gl.float16, [V16_ROWS, D], v16_sl)
         p_s = gl.allocate_shared_memory(gl.float16, [P_ROWS, BLOCK], p_sl)
         qhi_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
         qlo_s = gl.allocate_shared_memory(gl.float8e4nv, [R, D], q_sl)
+        if TRANSPOSED:
+            v16_s = qhi_s  # not used: V^T goes to registers
+        else:
+            v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float16)
+            v16_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], v16_sl)
     kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1228,6 +1224,11 @@ def variant(
         # Its accumulator, 64 rows x 256 float32, is more than one MMA's registers.
         raise ValueError(f"transposed: the other form takes head_dim up to 128, got {head_dim}")
     block = tile_tokens(kv_dtype, head_dim)
+    if half is not None and (half <= 0 or transposed or kv16 or block % half):
+        raise ValueError(
+            "half: tokens of V converted at a time, a divisor of the tile's "
+            f"{block}, in the rows form with FP8 KV only; got {half}"
+        )
     return {
         "GROUP": group,
         "QLEN": query_len,
@@ -1236,7 +1237,7 @@ def variant(
         "SCALE_MODE": scale_mode,
         "WRITE_LSE": write_lse,
         "STAGES": stages,
-        "HALF": half or default_half(scale_mode, transposed, page_size, block, head_dim),
+        "HALF": half or default_half(transposed, block),
         "LOAD_REGS": load_regs,
         "TRANSPOSED": transposed,
         "HAS_WINDOW": window,
@@ -1432,9 +1433,10 @@ def gluon_paged_decode(
     ``[batch, num_q_heads]`` tensor to fill, natural log, or None). Returns ``out``.
 
     Covers what :func:`unsupported` accepts; anything else raises ``ValueError``. Tuning:
-    ``stages`` K/V slots, ``half`` tokens of V converted at a time (None:
-    :func:`default_half`), ``maxnreg`` registers a thread over both warpgroups (128: two
-    programs fit on an SM), ``load_regs`` of them in the load warp, ``transposed`` the form
+    ``stages`` K/V slots, ``half`` tokens of V converted at a time (the rows form with FP8
+    KV only; None: :func:`default_half`), ``maxnreg`` registers a thread over both
+    warpgroups (128: two programs fit on an SM), ``load_regs`` of them in the load warp,
+    ``transposed`` the form
     of the MMAs (None: :func:`default_transposed`). Plans for it are best made
     with two programs an SM (what ``plan_decode`` makes where the step runs on this family)."""
     from .. import checks
