@@ -214,15 +214,15 @@ def _hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group,
     (:func:`pagedattn._kernels.gluon_decode.unsupported`). ``by_default``: preferred by
     ``AUTO_FAMILY``, which takes every step it covers but fp16 caches (not measured on the
     family) and head_dim 64 other than FP8 with per-tensor scales (per-token slower, 16-bit
-    caches not measured). Whole step against the portable family
-    (`pagedattn bench --providers pagedattn-triton,pagedattn-gluon`, H200): per-token scales,
-    16 query heads on 1 and 32 on 8, batch 16 / 128 x 8192 / 32768, query_len 1 and 4,
-    pages 16 and 1024, 0.70-1.00x its time (`benchmarks/results/hopper/per_token_families.md`);
-    head_dim 64, 32 query heads on 8, per-tensor 0.74-0.92x, per-token 0.97-1.10x
-    (`head_dim64_families.md`); head_dim 256 per-tensor 0.86-0.96x at page 1024, 0.86-1.02x
-    at page 16, per-token 0.89-0.96x at page 1024 (`head_dims.md`, `head_dim256_page16.md`,
-    `head_dim256_per_token.md`); bf16 caches 1.019x faster in geometric mean over the seed
-    grid's 30 shapes (`bf16_gluon.md`)."""
+    caches not measured). Whole step against the portable family (`pagedattn bench
+    --providers pagedattn-triton,pagedattn-gluon`, H200): per-token scales, 16 query heads on
+    1 and 32 on 8, batch 16 / 128 x 8192 / 32768, query_len 1 and 4, pages 16 and 1024,
+    0.70-1.00x its time (`benchmarks/results/hopper/per_token_families.md`); head_dim 64, 32
+    query heads on 8, page 1024, per-tensor 0.74-0.92x, per-token 0.97-1.10x
+    (`head_dim64_families.md`; its gathered tiles, not measured, go as whole ones); head_dim
+    256 per-tensor 0.86-0.96x at page 1024, 0.86-1.02x at page 16, per-token 0.89-0.96x at
+    page 1024 (`head_dims.md`, `head_dim256_page16.md`, `head_dim256_per_token.md`); bf16
+    caches 1.019x faster in geometric mean over the seed grid's 30 shapes (`bf16_gluon.md`)."""
     shape = dict(kv_dtype=kv_dtype, query_len=query_len, head_dim=head_dim, page_size=page_size)
     if _hopper_shape_reason(**shape, group=group) is not None:
         return False
