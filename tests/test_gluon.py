@@ -224,6 +224,27 @@ def test_variant_takes_half_only_where_v_is_converted():
             gluon_decode.variant(**kw)
 
 
+@needs_gluon_build
+@pytest.mark.parametrize(
+    "over, expected",
+    [
+        (dict(head_dim=96), "head_dim one of"),
+        (dict(head_dim=256, kv_dtype=torch.bfloat16, scale_mode=0), "head_dim one of"),
+        (dict(head_dim=256, group=16, query_len=2), "head_dim one of"),
+        (dict(kv_dtype=torch.float32, scale_mode=0), "kv dtype float8_e4m3fn"),
+        (dict(page_size=4), "page_size at least 8"),
+        (dict(query_len=9), "query_len at most 8"),
+        (dict(group=32, query_len=4), "query_len at most 8 and query_len x query heads"),
+    ],
+)
+def test_variant_refuses_shapes_the_family_does_not_cover(over, expected):
+    from pagedattn._kernels import gluon_decode
+
+    case = dict(group=4, query_len=1, page_size=1024, scale_mode=1, write_lse=False)
+    with pytest.raises(ValueError, match=f"variant: expected {expected}"):
+        gluon_decode.variant(**{**case, **over})
+
+
 # -- on a GPU: against the float64 reference --
 
 HEAD_DIM = 128

@@ -1200,15 +1200,18 @@ def variant(
     """The kernel's constexprs for one case (``half``, ``transposed`` None: the defaults,
     :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window;
     ``kv_dtype``: the cache's, a 16-bit one (bf16 or fp16) with a query of its dtype and
-    ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``)."""
+    ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``). Raises ``ValueError`` for a case
+    outside the family's shapes (``api._hopper_shape_reason``) or a tuning it cannot take."""
     kv16 = kv_dtype != torch.float8_e4m3fn
-    if kv_dtype not in KV_TYPES:
-        raise ValueError(f"kv_dtype: expected one of {list(KV_TYPES)}, got {kv_dtype}")
-    if head_dim not in HEAD_DIMS or (kv16 and head_dim > 128):
-        raise ValueError(
-            f"head_dim: expected one of {HEAD_DIMS} (at most 128 with a 16-bit cache), got "
-            f"{head_dim} with {kv_dtype}"
-        )
+    reason = _hopper_shape_reason(
+        kv_dtype=kv_dtype,
+        query_len=query_len,
+        head_dim=head_dim,
+        page_size=page_size,
+        group=group,
+    )
+    if reason is not None:
+        raise ValueError(f"variant: {reason}")
     if kv16 != (scale_mode == 0):
         raise ValueError(
             f"scale_mode: 0 (no scales) for a 16-bit cache only, got {scale_mode} with {kv_dtype}"
