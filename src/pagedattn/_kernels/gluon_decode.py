@@ -845,11 +845,9 @@ def _compute_partition(
                         v2.index(buf), v16_s.slice(h * HALF, HALF), h, start, token_end, HALF, blk
                     )
                 s = warpgroup_mma_wait(0, deps=[s])
-                # K and V read in every warp (and V's fp16 copy written) before the slot is
-                # handed back.
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(buf))
+                # K and V read in every warp (and V's fp16 copy written, fenced for the MMA)
+                # before the slot is handed back.
+                _hand_back(empty, buf)
             if SCALE_MODE == 2 and not TRANSPOSED:
                 ks = gl.convert_layout(ks, tok_l)
             m_new, l_acc, p, alpha = _softmax(
