@@ -610,6 +610,46 @@ def test_each_fault_spoils_its_sequence_only(gen, kv, kind, num_programs, page_s
 
 
 @requires_gpu
+@pytest.mark.parametrize("page_size,group", [(PAGE_SIZE, 4), (PAGE_SIZE, 16), (16, 4), (16, 16)])
+@pytest.mark.parametrize("kv", ["per_tensor", "per_token", "bf16"])
+def test_a_bad_page_only_the_last_new_token_sees_spoils_every_row(gen, kv, page_size, group):
+    # Sequence 1 ends one token into a page: of its 4 new tokens only the last attends that
+    # page, yet every row and LSE of the sequence is NaN (both forms: 16 and 64 query rows).
+    lens = [700, 2 * page_size + 1, 0, 129]
+
+    def last_page_bad(cache, seq_lens, plan_lens):
+        cache.block_table[1, 2] = cache.k_cache.shape[0] + 7
+        return seq_lens, plan_lens
+
+    out, lse, faults, q, cache, seq_lens = _decode(
+        lens, edit=last_page_bad, page_size=page_size, query_len=4, group=group, kv=kv, gen=gen
+    )
+    assert faults == {1: records.FAULT_PAGE_ID.value}, faults
+    assert bool(out[4:8].isnan().all()) and bool(lse[4:8].isnan().all())
+    _check(out, lse, q, cache, seq_lens, valid={0, 2, 3}, kv=kv)
+
+
+@requires_gpu
+@pytest.mark.parametrize("kv", ["per_tensor", "bf16"])
+def test_a_bad_page_read_below_the_window_spoils_the_sequence(gen, kv):
+    # Page 16, window 70 at 1000 tokens: the first attended key (930) lies in the tile that
+    # starts at 896 (128 FP8 or 64 bf16 tokens), whose first pages (896..927) no row attends.
+    # Such a page is still read with its tile, so a bad id there is a fault.
+    lens = [1000, 1000, 0]
+
+    def below_window_bad(cache, seq_lens, plan_lens):
+        cache.block_table[1, 896 // 16] = -3
+        return seq_lens, plan_lens
+
+    out, lse, faults, q, cache, seq_lens = _decode(
+        lens, edit=below_window_bad, page_size=16, window=70, kv=kv, gen=gen
+    )
+    assert faults == {1: records.FAULT_PAGE_ID.value}, faults
+    assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all())
+    _check(out, lse, q, cache, seq_lens, valid={0, 2}, window=70, kv=kv)
+
+
+@requires_gpu
 def test_cache_with_no_pages(gen):
     def empty(cache, seq_lens, plan_lens):
         cache.k_cache = cache.k_cache[:0]

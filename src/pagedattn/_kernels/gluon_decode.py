@@ -181,10 +181,15 @@ def _work_bounds(
 
 
 @gluon.jit
-def _checked_page(page, num_pages):
-    """A page id as read (outside [0, num_pages) read as page 0) and whether it was outside."""
-    bad = (page < 0) | (page >= num_pages)
-    return gl.where(bad, 0, page), bad
+def _bad_page(page, num_pages):
+    """Whether a page id lies outside [0, num_pages)."""
+    return (page < 0) | (page >= num_pages)
+
+
+@gluon.jit
+def _clamped_page(page, num_pages):
+    """A page id for an address (the per-token scales'): outside [0, num_pages), page 0."""
+    return gl.where(_bad_page(page, num_pages), 0, page)
 
 
 @gluon.jit
@@ -452,7 +457,6 @@ def _epilogue(
     v_unit,
     fault,
     invalid,
-    page_fault,
     seq,
     kv_head,
     slot,
@@ -473,16 +477,19 @@ def _epilogue(
     row_l: gl.constexpr,
     o_l: gl.constexpr,
 ):
-    """Epilogue role: faults, then the rows to ``out`` or to the work's partial slot (``o``:
-    rows along ``1 - TOK_AXIS``; ``m_i``, ``l_i``: per row in ``row_l``). A row that saw no
-    key (a padding slot, or the causal zone in a partial) gets zeros and LSE -inf, a faulty
-    work NaN."""
+    """Epilogue role: length faults, then the rows to ``out`` or to the work's partial slot
+    (``o``: rows along ``1 - TOK_AXIS``; ``m_i``, ``l_i``: per row in ``row_l``). A row that
+    saw no key (a padding slot, or the causal zone in a partial) gets zeros and LSE -inf, a
+    faulty work NaN: one whose lengths are (``invalid``), or one that read a page outside
+    the cache. Such a page comes in as NaN (the load warp records its fault), and the P V
+    products carry its NaN V into every row of ``o``, masked or not (P is 0 there, and 0 x
+    NaN is NaN), so each row's LSE is made NaN where its row of ``o`` is."""
     ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
     ROWS: gl.constexpr = QLEN * GROUP
-    fault |= gl.where(page_fault, FAULT_PAGE_ID, 0)
     if fault != 0:
         gl.atomic_or(faults_ptr + seq, fault)
-    nan_rows = invalid | page_fault
+    o_sum = gl.sum(o, axis=TOK_AXIS)
+    nan_rows = invalid | gl.convert_layout(o_sum != o_sum, row_l)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     lse2 = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
     lse2 = gl.where(nan_rows, float("nan"), lse2)
@@ -520,7 +527,6 @@ def _load_partition(
     kready,
     vready,
     empty,
-    bad_s,
     block_table_ptr,
     stride_bt,
     stride_bt_col,
@@ -532,29 +538,27 @@ def _load_partition(
     work_indptr_ptr,
     works_ptr,
     planned_lens_ptr,
+    faults_ptr,
     STAGES: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     QLEN: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
-    KV16: gl.constexpr,
     HALVES: gl.constexpr,
-    FLAGS: gl.constexpr,
     BLOCK: gl.constexpr,
-    D: gl.constexpr,
 ):
     """Load warp: walks the program's works and their tiles, copying each tile's K and V into
     the next of ``STAGES`` slots once the compute warpgroup has handed it back (``empty``),
     across work boundaries: one bulk copy per tile and tensor, or, from pages shorter than
-    a tile, one per page (a gathered tile; pages past the work's end are not read, and copied
-    as page 0). Bad page ids are read as page 0 and flagged: ``FLAGS`` (no per-token scales),
-    by this warp, in ``bad_s[slot]`` (a tile whose ids before the work's end lie outside
-    [0, num_pages)), released to the compute warpgroup by a second arrival on the slot's K
-    barrier; else by the compute warpgroup, which reads the ids for the scales. Tiles of
-    ``BLOCK`` tokens of ``D`` dims; gathered tiles with rows of 256 bytes take ``HALVES`` = 2
-    copies a page, one a half of head_dim, as such rows lie in shared memory as two halves of
-    the whole tile (the 128-byte swizzle's span)."""
-    flag_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    a tile, one per page (a gathered tile; columns past the work's end are not read, and
+    copied as page 0). Page ids go to the copies as they are: an id outside [0, num_pages)
+    puts the box outside the descriptor's bounds, which the copy fills with NaN (it reads
+    nothing there), so the work's rows come out NaN (:func:`_epilogue`); this warp records
+    the fault once a work, after its copies. Gathered tiles with rows of 256 bytes take ``HALVES`` = 2 copies a page, one a
+    half of head_dim, as such rows lie in shared memory as two halves of the whole tile (the
+    128-byte swizzle's span)."""
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
+    DC: gl.constexpr = k_desc.block_type.shape[3]  # a copy's head_dim, in the copies' type
+    ids_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # a page id a lane
     _wait_for_prior_grid()
     pid = gl.program_id(0)
     work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
@@ -579,8 +583,7 @@ def _load_partition(
             buf = g % STAGES
             start = token_start + i * BLOCK
             if SUB == 1:
-                page_id = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
-                page, bad = _checked_page(page_id, num_pages)
+                page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
                 in_page = start % PAGE_SIZE
             # Slots start free: the first pass waits on the phase before the barrier's first.
             mbarrier.wait(empty.index(buf), ((g // STAGES) & 1) ^ 1)
@@ -593,30 +596,32 @@ def _load_partition(
             else:
                 # One page a copy, K's then V's; a runtime count (SUB), so not unrolled.
                 col = start // PAGE_SIZE
-                bad = token_end < 0  # False
                 for j in range(tile_pages):
                     # Columns past the work's end are not read but copied as page 0 (the
                     # compute side masks those tokens); the work's end is within the table's
                     # width (_work_bounds).
-                    page_id = gl.load(
+                    page = gl.load(
                         bt_row + (col + j) * stride_bt_col,
                         mask=(col + j) * PAGE_SIZE < token_end,
                         other=0,
                     )
-                    page, bad_j = _checked_page(page_id, num_pages)
-                    bad = bad | bad_j
                     for h in gl.static_range(HALVES):
-                        at = [page, 0, kv_head, h * (D // HALVES)]
+                        at = [page, 0, kv_head, h * DC]
                         box = (buf * HALVES + h) * SUB + j
                         k_box = k_s.index(box)
                         v_box = v_s.index(box)
                         tma.async_copy_global_to_shared(k_desc, at, kready.index(buf), k_box)
                         tma.async_copy_global_to_shared(v_desc, at, vready.index(buf), v_box)
-            if FLAGS:
-                flag = gl.full([1], 0, gl.int32, layout=flag_l) + bad.to(gl.int32)
-                bad_s.index(buf).store(flag)
-                mbarrier.arrive(kready.index(buf))
         it += n_tiles
+        # The work's page ids (the columns its tiles read), checked once its copies are
+        # issued, off their chain (this warp would wait for a slot next): 32 a load, L1 hits.
+        first_col = token_start // PAGE_SIZE
+        end_col = gl.where(n_tiles > 0, (token_end + PAGE_SIZE - 1) // PAGE_SIZE, first_col)
+        for c in range(first_col, end_col, 32):
+            cols = c + gl.arange(0, 32, layout=ids_l)
+            ids = gl.load(bt_row + cols * stride_bt_col, mask=cols < end_col, other=0)
+            if gl.max(_bad_page(ids, num_pages).to(gl.int32), axis=0) != 0:
+                gl.atomic_or(faults_ptr + seq, FAULT_PAGE_ID)
 
 
 @gluon.jit
@@ -633,7 +638,6 @@ def _compute_partition(
     kready,
     vready,
     empty,
-    bad_s,
     k_scale_ptr,
     stride_ks_page,
     stride_ks_slot,
@@ -708,7 +712,7 @@ def _compute_partition(
     # 16 values of head_dim a thread, 128 columns a warp (64 with head_dim 64).
     COLS: gl.constexpr = 8 - 4 * (D == 64)
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [4, 1], [1, 0])
-    # Page ids of a gathered tile, one token a thread (and the load warp's slot flags).
+    # Page ids of a gathered tile, one token a thread.
     pg_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     _wait_for_prior_grid()
     if SCALE_MODE == 1:
@@ -739,10 +743,6 @@ def _compute_partition(
         )
         seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles = bounds
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-        if PAGE_SIZE >= BLOCK or SCALE_MODE != 2:
-            page_fault = n_tiles < 0  # one flag (False)
-        else:
-            page_fault = offs_pg < 0  # per-token ids of gathered tiles: a flag a token
         q_scale = _load_query(
             q_ptr,
             stride_q_tok,
@@ -793,8 +793,7 @@ def _compute_partition(
                         mask=tok_pg < token_end,
                         other=0,
                     )
-                page, bad = _checked_page(page_id, num_pages)
-                page_fault = page_fault | bad
+                page = _clamped_page(page_id, num_pages)
                 # The transposed form holds 4 tokens a thread: loaded where used. The other
                 # holds 32, so they are loaded one a thread and moved over when needed.
                 if TRANSPOSED:
@@ -825,10 +824,6 @@ def _compute_partition(
                 vs = offs_s
             mbarrier.wait(kready.index(buf), ph)
             s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
-            if SCALE_MODE != 2:
-                # The load warp's flag (a page id of the tile outside [0, num_pages)), read
-                # before the slot is handed back, used at the tile's end (off the chain).
-                flag = gl.max(bad_s.index(buf).load(pg_l), axis=0)
             mbarrier.wait(vready.index(buf), ph)
             if KV16:
                 s = warpgroup_mma_wait(0, deps=[s])
@@ -886,11 +881,7 @@ def _compute_partition(
                     o = warpgroup_mma(vt, p_s.slice(V_PART, V_PART, dim=1).permute((1, 0)), o)
             else:
                 o = warpgroup_mma(p16, v16_s, o)
-            if SCALE_MODE != 2:
-                page_fault = page_fault | (flag != 0)
         it += n_tiles
-        if PAGE_SIZE < BLOCK and SCALE_MODE == 2:
-            page_fault = gl.max(page_fault.to(gl.int32), axis=0) != 0
         if TRANSPOSED:
             l_i = gl.sum(l_acc, axis=0)
         else:
@@ -906,7 +897,6 @@ def _compute_partition(
             v_unit,
             fault,
             invalid,
-            page_fault,
             seq,
             kv_head,
             slot,
@@ -986,18 +976,22 @@ def gluon_decode_kernel(
     thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works.
     ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype); tiles of ``BLOCK`` tokens
     (:func:`tile_tokens`) of ``D`` dims, copied ``HALVES`` boxes a page (:func:`page_parts`)."""
-    KV_T: gl.constexpr = k_desc.dtype
+    # The copies move an FP8 cache as fp16 pairs (:func:`copy_dtype`): the tiles in shared
+    # memory are the same bytes, read by the compute warpgroup as e4m3.
+    COPY_T: gl.constexpr = k_desc.dtype
+    KV_T: gl.constexpr = COPY_T if KV16 else gl.float8e4nv
+    DC: gl.constexpr = k_desc.block_type.shape[3] * HALVES  # head_dim in COPY_T elements
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # pages a tile
     P_ROWS: gl.constexpr = 8 + (R - 8) * TRANSPOSED  # P through shared memory (transposed)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], KV_T)
-    k_s = gl.allocate_shared_memory(KV_T, [STAGES, 1, BLOCK, 1, D], k_desc.layout)
-    v_s = gl.allocate_shared_memory(KV_T, [STAGES, 1, BLOCK, 1, D], v_desc.layout)
+    k_s = gl.allocate_shared_memory(COPY_T, [STAGES, 1, BLOCK, 1, DC], k_desc.layout)
+    v_s = gl.allocate_shared_memory(COPY_T, [STAGES, 1, BLOCK, 1, DC], v_desc.layout)
     k2 = k_s._reinterpret(KV_T, [STAGES, BLOCK, D], kv_sl)
     v2 = v_s._reinterpret(KV_T, [STAGES, BLOCK, D], kv_sl)
     # The load warp's view: one box a copy (a tile's boxes back to back).
-    boxes: gl.constexpr = [STAGES * SUB * HALVES, 1, BLOCK // SUB, 1, D // HALVES]
-    k_boxes = k_s._reinterpret(KV_T, boxes, k_desc.layout)
-    v_boxes = v_s._reinterpret(KV_T, boxes, v_desc.layout)
+    boxes: gl.constexpr = [STAGES * SUB * HALVES, 1, BLOCK // SUB, 1, DC // HALVES]
+    k_boxes = k_s._reinterpret(COPY_T, boxes, k_desc.layout)
+    v_boxes = v_s._reinterpret(COPY_T, boxes, v_desc.layout)
     if KV16:
         # K and V multiplied as they are: the query in one term, P in V's dtype.
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], KV_T)
@@ -1020,13 +1014,8 @@ def gluon_decode_kernel(
     kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # Without per-token scales the compute warpgroup reads no page id: the load warp flags a
-    # slot's bad ids (``bad_s``), a second arrival on its K barrier.
-    FLAGS: gl.constexpr = SCALE_MODE != 2
-    flag_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    bad_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1], flag_sl)
     for st in gl.static_range(STAGES):
-        mbarrier.init(kready.index(st), count=1 + FLAGS)
+        mbarrier.init(kready.index(st), count=1)
         mbarrier.init(vready.index(st), count=1)
         mbarrier.init(empty.index(st), count=1)
     fence_async_shared()
@@ -1047,7 +1036,6 @@ def gluon_decode_kernel(
                     kready,
                     vready,
                     empty,
-                    bad_s,
                     k_scale_ptr,
                     stride_ks_page,
                     stride_ks_slot,
@@ -1100,7 +1088,6 @@ def gluon_decode_kernel(
                     kready,
                     vready,
                     empty,
-                    bad_s,
                     block_table_ptr,
                     stride_bt,
                     stride_bt_col,
@@ -1112,15 +1099,13 @@ def gluon_decode_kernel(
                     work_indptr_ptr,
                     works_ptr,
                     planned_lens_ptr,
+                    faults_ptr,
                     STAGES,
                     PAGE_SIZE,
                     QLEN,
                     HAS_WINDOW,
-                    KV16,
                     HALVES,
-                    FLAGS,
                     BLOCK,
-                    D,
                 ),
             ),
         ],
@@ -1163,13 +1148,23 @@ def page_parts(
     return max(head_dim * kv_dtype.itemsize // 128, 1)
 
 
+def copy_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The element type the bulk copies move a cache as: a 16-bit cache's own, an FP8 cache's
+    bytes as fp16 pairs, since the copies fill a box outside the cache (a page id outside
+    it) with NaN only for floating types of 16 bits or more. Their NaN (0x7FFF) is two
+    e4m3 NaNs (0xFF, 0x7F)."""
+    return torch.float16 if kv_dtype == torch.float8_e4m3fn else kv_dtype
+
+
 def box_shape(
     page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn, head_dim: int = 128
 ) -> list[int]:
-    """The box of one bulk copy, [1, tokens, 1, dims]: a whole tile, or a whole page shorter
-    than a tile, a part of head_dim at a time (:func:`page_parts`)."""
+    """The box of one bulk copy, [1, tokens, 1, dims] in :func:`copy_dtype` elements: a whole
+    tile, or a whole page shorter than a tile, a part of head_dim at a time
+    (:func:`page_parts`)."""
     tile = tile_tokens(kv_dtype, head_dim)
-    return [1, min(page_size, tile), 1, head_dim // page_parts(page_size, kv_dtype, head_dim)]
+    dims = head_dim * kv_dtype.itemsize // copy_dtype(kv_dtype).itemsize
+    return [1, min(page_size, tile), 1, dims // page_parts(page_size, kv_dtype, head_dim)]
 
 
 def kv_block_layout(
@@ -1177,7 +1172,7 @@ def kv_block_layout(
 ):
     """Shared-memory layout of one K or V box (:func:`box_shape`)."""
     box = box_shape(page_size, kv_dtype, head_dim)
-    return gl.NVMMASharedLayout.get_default_for(box, KV_TYPES[kv_dtype])
+    return gl.NVMMASharedLayout.get_default_for(box, KV_TYPES[copy_dtype(kv_dtype)])
 
 
 def variant(
@@ -1263,7 +1258,7 @@ def _signature(constexprs, kv_dtype):
     box = box_shape(page_size, kv_dtype, head_dim)
     kv = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16"}
     layout = kv_block_layout(page_size, kv_dtype, head_dim)
-    desc = f"tensordesc<{kv[kv_dtype]}{box},{layout!r}>"
+    desc = f"tensordesc<{kv[copy_dtype(kv_dtype)]}{box},{layout!r}>"
     q = "*fp16" if kv_dtype == torch.float16 else "*bf16"
     types = {
         "q_ptr": q,
@@ -1350,21 +1345,27 @@ def compile_sm90a(
 
 
 def _descriptor(cache, kv_layout, page_size):
+    """The bulk copies' descriptor of a cache, in :func:`copy_dtype` elements; boxes outside
+    it (page ids outside the cache) are filled with NaN."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    kv_dtype = cache.dtype
     strides = list(_cache_strides(cache, kv_layout))
     heads, head_dim = cache.shape[2 if kv_layout == "NHD" else 1], cache.shape[3]
     if cache.shape[0] == 0:
         # No page to read (every work with tokens is a fault): a stand-in the kernel never
         # copies from, as a descriptor needs a nonzero shape.
-        cache = torch.zeros(1, page_size, heads, head_dim, dtype=cache.dtype, device=cache.device)
+        cache = torch.zeros(1, page_size, heads, head_dim, dtype=kv_dtype, device=cache.device)
         strides = list(cache.stride())
+    # Two e4m3 values an fp16 element (unit head_dim stride, 16-byte strides: unsupported()).
+    ratio = copy_dtype(kv_dtype).itemsize // kv_dtype.itemsize
     return TensorDescriptor(
-        cache,
-        shape=[cache.shape[0], page_size, heads, head_dim],
-        strides=strides,
-        block_shape=box_shape(page_size, cache.dtype, head_dim),
-        layout=kv_block_layout(page_size, cache.dtype, head_dim),
+        cache.view(copy_dtype(kv_dtype)),
+        shape=[cache.shape[0], page_size, heads, head_dim // ratio],
+        strides=[s // ratio for s in strides[:3]] + [1],
+        block_shape=box_shape(page_size, kv_dtype, head_dim),
+        layout=kv_block_layout(page_size, kv_dtype, head_dim),
+        padding="nan",
     )
 
 

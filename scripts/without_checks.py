@@ -1,0 +1,75 @@
+"""Writes a copy of ``src/`` whose Hopper decode kernel runs without the robustness checks, the
+A side of the checks' cost:
+
+    python scripts/without_checks.py DIR [--strip lengths,page_ids,nan_rows,scale_ids]
+    bash scripts/gpu_check.sh ab_src DIR [bench case options]
+
+Taken out: the work's length checks (stale plan, capacity, lengths between 0 and the query
+count), the load warp's page-id compare and fault record, the epilogue's NaN rows and fault
+record, and the clamp of the page ids the per-token scales are read with. Page ids still go
+to the bulk copies as they are (the copies are bounded by their descriptors either way). Each
+edit must apply exactly once, so a kernel that no longer matches fails here rather than
+yielding a copy that still checks. ``--strip`` takes out only the named checks (default: all),
+to see what each costs.
+"""
+
+import argparse
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL = Path("src/pagedattn/_kernels/gluon_decode.py")
+EDITS = {
+    "lengths": (
+        """    fault = gl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
+    fault |= gl.where(seq_len > capacity, FAULT_CAPACITY, 0)
+    fault |= gl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+    invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
+    token_end = gl.where(invalid, token_start, token_end)
+""",
+        """    fault = seq_len * 0
+    invalid = fault != 0
+""",
+    ),
+    "page_ids": (
+        """            if gl.max(_bad_page(ids, num_pages).to(gl.int32), axis=0) != 0:
+                gl.atomic_or(faults_ptr + seq, FAULT_PAGE_ID)
+""",
+        "",
+    ),
+    "nan_rows": (
+        "    nan_rows = invalid | gl.convert_layout(o_sum != o_sum, row_l)\n",
+        "    nan_rows = invalid\n",
+    ),
+    "scale_ids": (
+        "    return gl.where(_bad_page(page, num_pages), 0, page)\n",
+        "    return page\n",
+    ),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--strip", default=",".join(EDITS), help="checks to take out")
+    args = parser.parse_args()
+    names = args.strip.split(",")
+    if not set(names) <= set(EDITS):
+        parser.error(f"--strip: expected names among {', '.join(EDITS)}, got {args.strip}")
+    out = args.dir
+    shutil.rmtree(out / "src", ignore_errors=True)
+    shutil.copytree(ROOT / "src", out / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    text = (ROOT / KERNEL).read_text()
+    for name in names:
+        old, new = EDITS[name]
+        if text.count(old) != 1:
+            parser.exit(
+                2, f"without_checks: expected one {old!r} in {KERNEL}, found {text.count(old)}\n"
+            )
+        text = text.replace(old, new)
+    (out / KERNEL).write_text(text)
+    print(f"wrote {out / 'src'} (the Hopper kernel without its checks of {', '.join(names)})")
+
+
+if __name__ == "__main__":
+    main()
