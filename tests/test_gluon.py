@@ -245,6 +245,47 @@ def test_variant_refuses_shapes_the_family_does_not_cover(over, expected):
         gluon_decode.variant(**{**case, **over})
 
 
+@needs_gluon_build
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize(
+    "kv_dtype,page_size,head_dim,box",
+    [
+        (torch.float8_e4m3fn, 1024, 128, [1, 128, 1, 64]),  # a tile of fp16 pairs
+        (torch.float8_e4m3fn, 16, 256, [1, 16, 1, 64]),  # a page, half of head_dim a copy
+        (torch.float8_e4m3fn, 16, 64, [1, 16, 1, 32]),
+        (torch.bfloat16, 16, 128, [1, 16, 1, 64]),  # as stored, half of head_dim a copy
+        (torch.float16, 1024, 64, [1, 64, 1, 64]),
+    ],
+)
+def test_descriptors_fill_pages_outside_the_cache_with_nan(
+    kv_dtype, page_size, head_dim, box, kv_layout
+):
+    # A page id outside the cache puts the copy's box outside the descriptor, which reads
+    # nothing there and, for these descriptors, fills it with NaN: an FP8 cache goes as fp16
+    # pairs (the fill applies to 16-bit floating types and wider; 0x7FFF is two e4m3 NaNs).
+    from pagedattn._kernels import gluon_decode
+
+    heads, pages = 3, 5
+    shape = (pages, page_size, heads, head_dim)
+    if kv_layout == "HND":
+        shape = (pages, heads, page_size, head_dim)
+    cache = torch.zeros(shape, dtype=kv_dtype)
+    desc = gluon_decode._descriptor(cache, kv_layout, page_size)
+    ratio = 2 // kv_dtype.itemsize
+    assert desc.padding == "nan"
+    assert desc.base.dtype == gluon_decode.copy_dtype(kv_dtype) != torch.float8_e4m3fn
+    assert desc.base.data_ptr() == cache.data_ptr()
+    assert list(desc.shape) == [pages, page_size, heads, head_dim // ratio]
+    strides = [
+        cache.stride(0),
+        *(cache.stride(i) for i in ((1, 2) if kv_layout == "NHD" else (2, 1))),
+    ]
+    assert list(desc.strides) == [s // ratio for s in strides] + [1]
+    assert list(desc.block_shape) == box == gluon_decode.box_shape(page_size, kv_dtype, head_dim)
+    nan = torch.tensor([0x7FFF], dtype=torch.int16).view(torch.float16)
+    assert bool(nan.isnan().all()) and bool(nan.view(torch.float8_e4m3fn).float().isnan().all())
+
+
 # -- on a GPU: against the float64 reference --
 
 HEAD_DIM = 128
