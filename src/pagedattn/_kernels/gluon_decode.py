@@ -553,9 +553,9 @@ def _load_partition(
     copied as page 0). Page ids go to the copies as they are: an id outside [0, num_pages)
     puts the box outside the descriptor's bounds, which the copy fills with NaN (it reads
     nothing there), so the work's rows come out NaN (:func:`_epilogue`); this warp records
-    the fault once a work, after its copies. Gathered tiles with rows of 256 bytes take ``HALVES`` = 2 copies a page, one a
-    half of head_dim, as such rows lie in shared memory as two halves of the whole tile (the
-    128-byte swizzle's span)."""
+    the fault once a work, after its copies. Gathered tiles with rows of 256 bytes take
+    ``HALVES`` = 2 copies a page, one a half of head_dim, as such rows lie in shared memory
+    as two halves of the whole tile (the 128-byte swizzle's span)."""
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
     DC: gl.constexpr = k_desc.block_type.shape[3]  # a copy's head_dim, in the copies' type
     ids_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # a page id a lane
