@@ -6,14 +6,17 @@
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $RESULTS (default
 # /tmp/gpu_check_out).
 #   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|all|profile|ab|
-#   ab_src] [args]
+#   ab_src|ab_multi] [args]
 # (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
 # $RESULTS/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
 # pagedattn alone with the sources in DIR (a checkout's src/ and benchmarks/, e.g.
 # `mkdir .ab_base && git archive REV src benchmarks | tar -x -C .ab_base`) and with these,
 # rounds A B, B A, ... (AB_ROUNDS, default 2), compared by scripts/ab_env.py; bench case
-# options after DIR replace the seed preset)
+# options after DIR replace the seed preset. ab_multi NAME=DIR,NAME=DIR,...: the same for
+# several builds, DIR "." this checkout, in one order and then the reverse, AB_ROUNDS times;
+# every time also over the first build's, e.g. `scripts/without_checks.py .ab_none`, then
+# `ab_multi none=.ab_none,checked=. --query-len 1`)
 set -u
 export PYTHONUNBUFFERED=1
 RESULTS=${RESULTS:-/tmp/gpu_check_out}
@@ -156,6 +159,34 @@ if [[ $MODE == ab_src ]]; then
     tar -C $AB -czf "$RESULTS/ab_src.tar.gz" .
   done
   tail -45 "$RESULTS/ab_src.md"
+fi
+
+if [[ $MODE == ab_multi ]]; then
+  IFS=, read -r -a builds <<<"$1"
+  shift
+  cases=("$@")
+  ((${#cases[@]})) || cases=(--preset seed)
+  AB=/tmp/ab_multi
+  mkdir -p $AB
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    order=("${builds[@]}")
+    ((round % 2 == 0)) && mapfile -t order < <(printf '%s\n' "${builds[@]}" | tac)
+    for build in "${order[@]}"; do
+      name=${build%%=*}
+      PYTHONPATH=$PWD/${build#*=}/src:${PYTHONPATH#*:} python3 -m pagedattn bench "${cases[@]}" \
+        --name seed --providers pagedattn --no-plots --out "$AB/${name}_$round" \
+        >"$LOGS/ab_${name}_$round.log" 2>&1
+      summary+=("ab_multi $name round $round rc $? at $(date +%T)")
+    done
+  done
+  specs=()
+  for build in "${builds[@]}"; do
+    name=${build%%=*}
+    specs+=("$name=$(seq 1 "${AB_ROUNDS:-2}" | sed "s|.*|$AB/${name}_&/seed.csv|" | paste -sd,)")
+  done
+  python3 scripts/ab_env.py "${specs[@]}" >"$RESULTS/ab_multi.md"
+  tar -C $AB -czf "$RESULTS/ab_multi.tar.gz" .
+  tail -45 "$RESULTS/ab_multi.md"
 fi
 
 echo "================ summary"
