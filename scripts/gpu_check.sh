@@ -134,40 +134,15 @@ if [[ $MODE == ab ]]; then
   tar -C $AB -czf "$RESULTS/ab.tar.gz" .
 fi
 
-if [[ $MODE == ab_src ]]; then
-  # Rounds in the order A B, B A, ... (drift cancels); the comparison is rewritten after each.
-  BASE=$1
+if [[ $MODE == ab_src || $MODE == ab_multi ]]; then
+  # Rounds in one order, then the reverse (A B, B A, ...: drift cancels); the comparison is
+  # rewritten after each. ab_src DIR is ab_multi base=DIR,new=.
+  if [[ $MODE == ab_src ]]; then builds=("base=$1" "new=."); else IFS=, read -r -a builds <<<"$1"; fi
   shift
   cases=("$@")
   ((${#cases[@]})) || cases=(--preset seed)
-  AB=/tmp/ab_src
-  mkdir -p $AB
-  base_csvs=() new_csvs=()
-  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
-    order="base new"
-    ((round % 2 == 0)) && order="new base"
-    for v in $order; do
-      src=$PWD/src
-      [[ $v == base ]] && src=$PWD/$BASE/src
-      PYTHONPATH=$src:${PYTHONPATH#*:} python3 -m pagedattn bench "${cases[@]}" --name seed \
-        --providers pagedattn --no-plots --out "$AB/${v}_$round" >"$LOGS/ab_${v}_$round.log" 2>&1
-      summary+=("ab_src $v round $round rc $? at $(date +%T)")
-      if [[ $v == base ]]; then base_csvs+=("$AB/base_$round/seed.csv"); else new_csvs+=("$AB/new_$round/seed.csv"); fi
-    done
-    python3 scripts/ab_env.py "$(IFS=,; echo "${base_csvs[*]}")" "$(IFS=,; echo "${new_csvs[*]}")" \
-      >"$RESULTS/ab_src.md"
-    tar -C $AB -czf "$RESULTS/ab_src.tar.gz" .
-  done
-  tail -45 "$RESULTS/ab_src.md"
-fi
-
-if [[ $MODE == ab_multi ]]; then
-  IFS=, read -r -a builds <<<"$1"
-  shift
-  cases=("$@")
-  ((${#cases[@]})) || cases=(--preset seed)
-  AB=/tmp/ab_multi
-  mkdir -p $AB
+  AB=/tmp/$MODE
+  mkdir -p "$AB"
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     order=("${builds[@]}")
     ((round % 2 == 0)) && mapfile -t order < <(printf '%s\n' "${builds[@]}" | tac)
@@ -176,17 +151,17 @@ if [[ $MODE == ab_multi ]]; then
       PYTHONPATH=$PWD/${build#*=}/src:${PYTHONPATH#*:} python3 -m pagedattn bench "${cases[@]}" \
         --name seed --providers pagedattn --no-plots --out "$AB/${name}_$round" \
         >"$LOGS/ab_${name}_$round.log" 2>&1
-      summary+=("ab_multi $name round $round rc $? at $(date +%T)")
+      summary+=("$MODE $name round $round rc $? at $(date +%T)")
     done
+    specs=()
+    for build in "${builds[@]}"; do
+      name=${build%%=*}
+      specs+=("$name=$(seq 1 "$round" | sed "s|.*|$AB/${name}_&/seed.csv|" | paste -sd,)")
+    done
+    python3 scripts/ab_env.py "${specs[@]}" >"$RESULTS/$MODE.md"
+    tar -C "$AB" -czf "$RESULTS/$MODE.tar.gz" .
   done
-  specs=()
-  for build in "${builds[@]}"; do
-    name=${build%%=*}
-    specs+=("$name=$(seq 1 "${AB_ROUNDS:-2}" | sed "s|.*|$AB/${name}_&/seed.csv|" | paste -sd,)")
-  done
-  python3 scripts/ab_env.py "${specs[@]}" >"$RESULTS/ab_multi.md"
-  tar -C $AB -czf "$RESULTS/ab_multi.tar.gz" .
-  tail -45 "$RESULTS/ab_multi.md"
+  tail -45 "$RESULTS/$MODE.md"
 fi
 
 echo "================ summary"
