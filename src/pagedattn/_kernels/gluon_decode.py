@@ -557,7 +557,7 @@ def _load_partition(
     ``HALVES`` = 2 copies a page, one a half of head_dim, as such rows lie in shared memory
     as two halves of the whole tile (the 128-byte swizzle's span)."""
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
-    DC: gl.constexpr = k_desc.block_type.shape[3]  # a copy's head_dim, in the copies' type
+    BOX_D: gl.constexpr = k_desc.block_type.shape[3]  # a copy's head_dim, in its elements
     ids_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # a page id a lane
     _wait_for_prior_grid()
     pid = gl.program_id(0)
@@ -606,7 +606,7 @@ def _load_partition(
                         other=0,
                     )
                     for h in gl.static_range(HALVES):
-                        at = [page, 0, kv_head, h * DC]
+                        at = [page, 0, kv_head, h * BOX_D]
                         box = (buf * HALVES + h) * SUB + j
                         k_box = k_s.index(box)
                         v_box = v_s.index(box)
