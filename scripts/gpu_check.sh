@@ -79,7 +79,7 @@ if [[ $MODE == tests || $MODE == all ]]; then
 fi
 
 if [[ $MODE == fuzz || $MODE == all ]]; then
-  # 8 workers: 11,000 cases in 166 s on the H200 (6 reached 9,600 in 180 s).
+  # 8 workers: 11,000 cases in 136-169 s on the H200 (6 reached 9,600 in 180 s).
   python3 scripts/fuzz.py --valid 10000 --corrupt 1000 --max-batch 16 --max-len 2000 --workers 8 \
     --seconds "${FUZZ_SECONDS:-300}" \
     >"$LOGS/fuzz.log" 2>&1

@@ -32,8 +32,8 @@ EDITS = {
 """,
     ),
     "page_ids": (
-        """            if gl.max(_bad_page(ids, num_pages).to(gl.int32), axis=0) != 0:
-                gl.atomic_or(faults_ptr + seq, FAULT_PAGE_ID)
+        """        if gl.max(bad.to(gl.int32), axis=0) != 0:
+            gl.atomic_or(faults_ptr + seq, FAULT_PAGE_ID)
 """,
         "",
     ),

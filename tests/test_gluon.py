@@ -286,6 +286,24 @@ def test_descriptors_fill_pages_outside_the_cache_with_nan(
     assert bool(nan.isnan().all()) and bool(nan.view(torch.float8_e4m3fn).float().isnan().all())
 
 
+def test_without_checks_script_still_strips_every_check(tmp_path):
+    # The checks' cost is measured against `scripts/without_checks.py`'s copy of the kernel;
+    # each of its edits must still apply exactly once, leaving no fault record behind.
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts/without_checks.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    kernel = "src/pagedattn/_kernels/gluon_decode.py"
+    stripped = (tmp_path / kernel).read_text()
+    assert stripped != (root / kernel).read_text()
+    for check in ("FAULT_PAGE_ID)", "FAULT_STALE_PLAN, 0)", "FAULT_CAPACITY, 0)", "o_sum != o_sum"):
+        assert check not in stripped, check
+    compile(stripped, kernel, "exec")
+
+
 # -- on a GPU: against the float64 reference --
 
 HEAD_DIM = 128

@@ -614,14 +614,17 @@ def _load_partition(
                         tma.async_copy_global_to_shared(v_desc, at, vready.index(buf), v_box)
         it += n_tiles
         # The work's page ids (the columns its tiles read), checked once its copies are
-        # issued, off their chain (this warp would wait for a slot next): 32 a load, L1 hits.
+        # issued, off their chain (this warp would wait for a slot next): 32 a load, L1 hits,
+        # their flags carried so the loads do not wait on each other; one maximum a work.
         first_col = token_start // PAGE_SIZE
         end_col = gl.where(n_tiles > 0, (token_end + PAGE_SIZE - 1) // PAGE_SIZE, first_col)
+        bad = gl.zeros([32], gl.int1, layout=ids_l)
         for c in range(first_col, end_col, 32):
             cols = c + gl.arange(0, 32, layout=ids_l)
             ids = gl.load(bt_row + cols * stride_bt_col, mask=cols < end_col, other=0)
-            if gl.max(_bad_page(ids, num_pages).to(gl.int32), axis=0) != 0:
-                gl.atomic_or(faults_ptr + seq, FAULT_PAGE_ID)
+            bad |= _bad_page(ids, num_pages)
+        if gl.max(bad.to(gl.int32), axis=0) != 0:
+            gl.atomic_or(faults_ptr + seq, FAULT_PAGE_ID)
 
 
 @gluon.jit
@@ -704,9 +707,11 @@ def _compute_partition(
         )
     # The transposed form's FP8 V^T as the P V MMA's A operand, in registers.
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    # Tokens of it a part: half a tile where per-token scales meet gathered tiles (their
-    # page ids and scales a token leave no room for all of it beside the softmax), else all.
-    V_PART: gl.constexpr = BLOCK // 2 if SCALE_MODE == 2 and PAGE_SIZE < BLOCK else BLOCK
+    # Tokens of it a part: half a tile with gathered tiles (with per-token scales, their page
+    # ids and scales a token leave no room for all of it beside the softmax; with per-tensor
+    # scales, all of it made ptxas spill 12 accesses a work, which cost ~2 µs a step in
+    # `scripts/gpu_check.sh ab_multi`, 64 x 8192 page 16), else all.
+    V_PART: gl.constexpr = BLOCK // 2 if PAGE_SIZE < BLOCK else BLOCK
     tok_l: gl.constexpr = gl.SliceLayout(ROW_AXIS, s_l)
     row_l: gl.constexpr = gl.SliceLayout(TOK_AXIS, s_l)
     # 16 values of head_dim a thread, 128 columns a warp (64 with head_dim 64).
