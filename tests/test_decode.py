@@ -355,6 +355,19 @@ def test_per_token_v_scales_far_apart(query_len, gen):
     assert err < tolerance(FP8, torch.float32), f"rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_zero_k_scale_weighs_every_attended_key_alike(query_len, gen):
+    """A K scale of 0 makes every score 0: the rows are the mean of the V they attend, with
+    no NaN where a masked key meets the zero scale (the new tokens' causal zone, the tail)."""
+    lens = [70, 33]
+    cache = _small_fp8_cache(lens, "per_tensor", gen)
+    q = torch.randn(len(lens) * query_len, 16, 64, generator=gen, device=DEVICE)
+    args = (q.to(torch.bfloat16), cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(k_scale=torch.zeros_like(cache.k_scale), v_scale=cache.v_scale)
+    err = _f32_error(args, kw, qk_fp8=False)
+    assert err < tolerance(FP8, torch.float32), f"rel err {err:.3e}"
+
+
 def test_plan_made_internally(gen):
     cache, q = random_step(
         [30, 5],

@@ -689,6 +689,24 @@ def test_a_bad_page_only_the_last_new_token_sees_spoils_every_row(gen, kv, page_
 
 
 @requires_gpu
+@pytest.mark.parametrize("page_size,query_len,group", [(PAGE_SIZE, 1, 8), (16, 4, 4), (16, 4, 16)])
+def test_a_zero_k_scale_weighs_every_attended_key_alike(gen, page_size, query_len, group):
+    # Scores of 0 everywhere: no NaN from a masked -inf meeting the zero scale (the causal
+    # zone of the new tokens, the last tile's tail), the rows the mean of the attended V.
+    lens = [700, 2 * page_size + 1, 0, 129]
+
+    def zero_k_scale(cache, seq_lens, plan_lens):
+        cache.k_scale.zero_()
+        return seq_lens, plan_lens
+
+    out, lse, faults, q, cache, seq_lens = _decode(
+        lens, edit=zero_k_scale, page_size=page_size, query_len=query_len, group=group, gen=gen
+    )
+    assert faults == {} and not bool(out.isnan().any()) and not bool(lse.isnan().any())
+    _check(out, lse, q, cache, seq_lens, valid={0, 1, 2, 3})
+
+
+@requires_gpu
 @pytest.mark.parametrize("kv", ["per_tensor", "bf16"])
 def test_a_bad_page_read_below_the_window_spoils_the_sequence(gen, kv):
     # Page 16, window 70 at 1000 tokens: the first attended key (930) lies in the tile that
