@@ -1161,6 +1161,11 @@ def copy_dtype(kv_dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if kv_dtype == torch.float8_e4m3fn else kv_dtype
 
 
+def _copy_ratio(kv_dtype: torch.dtype) -> int:
+    """Cache elements a :func:`copy_dtype` element: 2 for FP8, else 1."""
+    return copy_dtype(kv_dtype).itemsize // kv_dtype.itemsize
+
+
 def box_shape(
     page_size: int, kv_dtype: torch.dtype = torch.float8_e4m3fn, head_dim: int = 128
 ) -> list[int]:
@@ -1168,7 +1173,7 @@ def box_shape(
     tile, or a whole page shorter than a tile, a part of head_dim at a time
     (:func:`page_parts`)."""
     tile = tile_tokens(kv_dtype, head_dim)
-    dims = head_dim * kv_dtype.itemsize // copy_dtype(kv_dtype).itemsize
+    dims = head_dim // _copy_ratio(kv_dtype)
     return [1, min(page_size, tile), 1, dims // page_parts(page_size, kv_dtype, head_dim)]
 
 
@@ -1363,7 +1368,7 @@ def _descriptor(cache, kv_layout, page_size):
         cache = torch.zeros(1, page_size, heads, head_dim, dtype=kv_dtype, device=cache.device)
         strides = list(cache.stride())
     # Two e4m3 values an fp16 element (unit head_dim stride, 16-byte strides: unsupported()).
-    ratio = copy_dtype(kv_dtype).itemsize // kv_dtype.itemsize
+    ratio = _copy_ratio(kv_dtype)
     return TensorDescriptor(
         cache.view(copy_dtype(kv_dtype)),
         shape=[cache.shape[0], page_size, heads, head_dim // ratio],
