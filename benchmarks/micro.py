@@ -265,7 +265,10 @@ def gluon(args: argparse.Namespace) -> None:
         case = Case(batch, context, query_len, kv_scale=scale, page_size=args.page_size)
         cache = make_cache(case, device, gen)
         q = make_query(case, device, gen)
-        a = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+        # --page-alias N: every block-table entry on one of N pages (the same plan, works and
+        # tiles over a working set that stays in L2: the kernel without DRAM).
+        table = cache.block_table % args.page_alias if args.page_alias else cache.block_table
+        a = (q, cache.k_cache, cache.v_cache, table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         ref = paged_decode_torch(*a, **kw)
         configs = [("triton", None, None, None, None, None)] + [
@@ -274,8 +277,12 @@ def gluon(args: argparse.Namespace) -> None:
         ]
         for backend, programs, stages, maxnreg, load_regs, form in configs:
             if backend == "triton":
-                plan = pagedattn.plan_decode(cache.seq_lens, **case.plan_kwargs())
-                step = functools.partial(pagedattn.paged_decode, *a, plan=plan, **kw)
+                # The portable family at its own default plan (``auto`` would take this one).
+                with pagedattn.api.using_backend("triton"):
+                    plan = pagedattn.plan_decode(cache.seq_lens, **case.plan_kwargs())
+                step = functools.partial(
+                    pagedattn.paged_decode, *a, plan=plan, backend="triton", **kw
+                )
             else:
                 fixed = dataclasses.replace(case, num_programs=programs).plan_kwargs()
                 plan = pagedattn.plan_decode(cache.seq_lens, **fixed, partition_size=args.partition)
@@ -301,7 +308,10 @@ def gluon(args: argparse.Namespace) -> None:
                 print(f"{label}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
                 continue
             pct = 100 * kv_bytes(case) / us / 1e3 / ceiling
-            rows.append((f"{batch}x{context}x{query_len}", scale, backend, programs, stages,
+            shape = f"{batch}x{context}x{query_len}" + (
+                f" alias {args.page_alias}" * bool(args.page_alias)
+            )
+            rows.append((shape, scale, backend, programs, stages,
                          f"{maxnreg}{ws}" if maxnreg or ws else None, us, pct, err))  # fmt: skip
             print(f"{label}: {us:.1f} us {pct:.1f}% err {err:.2e}", flush=True)
     print("| shape | scale | family | programs | stages | maxnreg[:load] | µs | % read | rel err |")
@@ -504,6 +514,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the Hopper kernel's forms: {', '.join(FORMS)} (comma-separated)",
     )
     p.add_argument("--page-size", type=int, default=1024)
+    p.add_argument(
+        "--page-alias",
+        type=int,
+        default=0,
+        help="map every block-table entry onto this many pages (0: off): the kernel without DRAM",
+    )
 
     p = command(features, "each serving feature's cost against the plain step")
     p.add_argument("--shapes", type=lambda text: [tuple(int(x) for x in s.split("x")) for s in

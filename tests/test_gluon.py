@@ -707,6 +707,24 @@ def test_a_zero_k_scale_weighs_every_attended_key_alike(gen, page_size, query_le
 
 
 @requires_gpu
+@pytest.mark.parametrize("query_len,group", [(1, 8), (1, 16), (4, 4), (4, 16)])
+def test_a_negative_k_scale_matches_the_reference(gen, query_len, group):
+    # A negative K scale (the scores' signs flipped) matches the reference too: nothing may
+    # assume a positive scale, e.g. when taking a row's maximum before scaling.
+    lens = [700, 129, 0, 4097]
+
+    def negate_k_scale(cache, seq_lens, plan_lens):
+        cache.k_scale.neg_()
+        return seq_lens, plan_lens
+
+    out, lse, faults, q, cache, seq_lens = _decode(
+        lens, edit=negate_k_scale, query_len=query_len, group=group, gen=gen
+    )
+    assert faults == {} and bool((cache.k_scale < 0).all())
+    _check(out, lse, q, cache, seq_lens, valid={0, 1, 2, 3})
+
+
+@requires_gpu
 @pytest.mark.parametrize("kv", ["per_tensor", "bf16"])
 def test_a_bad_page_read_below_the_window_spoils_the_sequence(gen, kv):
     # Page 16, window 70 at 1000 tokens: the first attended key (930) lies in the tile that
