@@ -137,6 +137,13 @@ def reduce(args: argparse.Namespace) -> None:
             print(f"| {shape} | {records} | {slots} | {text} | {us:.2f} | {diff:.1e} |")
 
 
+def aliased(block_table: torch.Tensor, pages: int) -> torch.Tensor:
+    """``--page-alias``: every block-table entry mapped onto one of the first ``pages`` page
+    ids (0: the table as it is), so the same plan, works and tiles read a working set that
+    stays in L2: the kernel timed without DRAM."""
+    return block_table % pages if pages else block_table
+
+
 def decode(args: argparse.Namespace) -> None:
     """Launch parameters of the decode kernel: ``paged_decode`` with a precomputed plan for
     each grid x tile config on a few large shapes, in GB/s and % of the read ceiling measured
@@ -188,7 +195,7 @@ def decode(args: argparse.Namespace) -> None:
             args.partition,
         ):
             alias, flags, programs, bn, warps, tma, stages, tail, regs, chunk, red, part = params
-            table = cache.block_table % alias if alias else cache.block_table
+            table = aliased(cache.block_table, alias)
             a = (q, cache.k_cache, cache.v_cache, table, cache.seq_lens)
             if args.check and alias not in refs:
                 refs[alias] = paged_decode_torch(*a, **kw)
@@ -265,9 +272,7 @@ def gluon(args: argparse.Namespace) -> None:
         case = Case(batch, context, query_len, kv_scale=scale, page_size=args.page_size)
         cache = make_cache(case, device, gen)
         q = make_query(case, device, gen)
-        # --page-alias N: every block-table entry on one of N pages (the same plan, works and
-        # tiles over a working set that stays in L2: the kernel without DRAM).
-        table = cache.block_table % args.page_alias if args.page_alias else cache.block_table
+        table = aliased(cache.block_table, args.page_alias)
         a = (q, cache.k_cache, cache.v_cache, table, cache.seq_lens)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         ref = paged_decode_torch(*a, **kw)
@@ -308,9 +313,9 @@ def gluon(args: argparse.Namespace) -> None:
                 print(f"{label}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
                 continue
             pct = 100 * kv_bytes(case) / us / 1e3 / ceiling
-            shape = f"{batch}x{context}x{query_len}" + (
-                f" alias {args.page_alias}" * bool(args.page_alias)
-            )
+            shape = f"{batch}x{context}x{query_len}"
+            if args.page_alias:
+                shape += f" alias {args.page_alias}"
             rows.append((shape, scale, backend, programs, stages,
                          f"{maxnreg}{ws}" if maxnreg or ws else None, us, pct, err))  # fmt: skip
             print(f"{label}: {us:.1f} us {pct:.1f}% err {err:.2e}", flush=True)
