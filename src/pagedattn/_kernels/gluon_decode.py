@@ -834,11 +834,12 @@ def _compute_partition(
                 s = warpgroup_mma_wait(0, deps=[s])
             elif TRANSPOSED:
                 # V^T's first part into registers while Q K^T runs (all of it, handing the
-                # slot back before the softmax, unless it takes two parts).
+                # slot back before the softmax, once the MMA has read K, unless it takes two
+                # parts).
                 vt = _v_operand(v2.index(buf), 0, start, token_end, V_PART, a_l)
+                s = warpgroup_mma_wait(0, deps=[s])
                 if V_PART == BLOCK:
                     _hand_back(empty, buf)
-                s = warpgroup_mma_wait(0, deps=[s])
             else:
                 for h in gl.static_range(BLOCK // HALF):
                     _convert_v(
