@@ -6,6 +6,7 @@
     python benchmarks/micro.py decode [--shapes 128x8192x1,...] [--mults 1,2,4] ...
     python benchmarks/micro.py gluon [--shapes 128x8192x1,...] [--configs 264:2:128,...]
     python benchmarks/micro.py features [--shapes 64x8192,...] [--query-lens 1,4]
+    python benchmarks/micro.py parts [--shapes 1x1024x1,...] [--scales per_tensor,...]
 
 Shapes are ``batch x context x query_len`` of the seed workload (16/1 heads, head_dim 128, FP8
 per-tensor, page 1024, bf16 query; ``pagedattn.bench.cases.Case``). GPU times are medians of
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import unittest.mock
 
 import torch
 
@@ -135,6 +137,55 @@ def reduce(args: argparse.Namespace) -> None:
             alone = functools.partial(reduce_partials, plan, out, None, tile)
             us = time_graph([alone] * GRAPH_CALLS).us_p50
             print(f"| {shape} | {records} | {slots} | {text} | {us:.2f} | {diff:.1e} |")
+
+
+def parts(args: argparse.Namespace) -> None:
+    """The step taken apart, per shape (default plan, the family ``paged_decode`` picks): the
+    whole step (``plan_decode(reuse=)`` + ``paged_decode``), ``paged_decode`` with the plan
+    made beforehand, the decode kernel alone (the reducer skipped: rows of cut sequences are
+    left unmerged), ``plan_decode(reuse=)`` alone and the reducer alone; each a CUDA graph of
+    several calls over one cache, per call. The differences are what each launch adds to a
+    step (with programmatic dependent launch, less than its time alone)."""
+    from pagedattn._kernels import gluon_decode
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    print("| shape | scale | whole step | decode + reduce | decode | plan alone | reduce alone "
+          "| works / programs |")  # fmt: skip
+    print("|---" * 8 + "|")
+    for (batch, context, query_len), scale in itertools.product(args.shapes, args.scales):
+        case = Case(batch, context, query_len, kv_scale=scale, page_size=args.page_size)
+        cache = make_cache(case, device, gen)
+        q = make_query(case, device, gen)
+        out = torch.empty_like(q)
+        plan_kw = case.plan_kwargs()
+        plan = pagedattn.plan_decode(cache.seq_lens, **plan_kw)
+        decode = functools.partial(
+            pagedattn.paged_decode, q, cache.k_cache, cache.v_cache, cache.block_table,
+            cache.seq_lens, plan=plan, out=out, k_scale=cache.k_scale, v_scale=cache.v_scale,
+        )  # fmt: skip
+        refill = functools.partial(pagedattn.plan_decode, cache.seq_lens, **plan_kw, reuse=plan)
+
+        def whole(refill=refill, decode=decode):
+            refill()
+            decode()
+
+        reduce_alone = functools.partial(reduce_partials, plan, out, None)
+        # The decode kernel alone: both families call the reducer through these names.
+        skip = lambda *a, **k: None  # noqa: E731
+        with (
+            unittest.mock.patch.object(gluon_decode, "reduce_partials", skip),
+            unittest.mock.patch.object(pagedattn.api, "reduce_partials", skip),
+        ):
+            decode_alone = time_graph([decode] * GRAPH_CALLS).us_p50
+        times = [time_graph([f] * GRAPH_CALLS).us_p50 for f in (whole, decode)]
+        times += [decode_alone] + [
+            time_graph([f] * GRAPH_CALLS).us_p50 for f in (refill, reduce_alone)
+        ]
+        works = int(plan.work_indptr[-1])
+        print(f"| {batch}x{context}x{query_len} | {scale} | "
+              + " | ".join(f"{t:.2f}" for t in times)
+              + f" | {works} / {plan.num_programs} |", flush=True)  # fmt: skip
 
 
 def aliased(block_table: torch.Tensor, pages: int) -> torch.Tensor:
@@ -525,6 +576,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="map every block-table entry onto this many pages (0: off): the kernel without DRAM",
     )
+
+    p = command(parts, "the step taken apart: plan, decode and reducer")
+    p.add_argument("--shapes", type=shapes, default="1x1024x1,16x1024x1,64x1024x1,256x1024x1")
+    p.add_argument("--scales", type=lambda text: text.split(","), default="per_tensor")
+    p.add_argument("--page-size", type=int, default=1024)
 
     p = command(features, "each serving feature's cost against the plain step")
     p.add_argument("--shapes", type=lambda text: [tuple(int(x) for x in s.split("x")) for s in

@@ -1,6 +1,6 @@
 """A small decode step for compute-sanitizer: every path (split + reduce, per-token FP8, bf16,
-page 16, HND, sliding window, LSE, head_dim 64 and 256) in one process, on each kernel family
-the GPU runs. Exits non-zero if an answer is wrong."""
+pages shorter and longer than a tile, HND, sliding window, LSE, head_dim 64 and 256) in one
+process, on each kernel family the GPU runs. Exits non-zero if an answer is wrong."""
 
 import torch
 
@@ -11,20 +11,22 @@ FP8 = torch.float8_e4m3fn
 gen = torch.Generator(device="cuda").manual_seed(0)
 hopper = pagedattn.api._hopper_reason(torch.device("cuda")) is None
 worst = {}
-# (layout, kv dtype, scale, window, head_dim, query heads over 2 kv heads)
+# (layout, kv dtype, scale, window, head_dim, query heads over 2 kv heads, page size)
 cases = (
-    ("NHD", FP8, "per_token", None, 128, 16),
-    ("HND", FP8, "per_tensor", 100, 128, 16),
-    ("NHD", torch.bfloat16, None, 30, 128, 16),
-    ("HND", FP8, "per_token", 50, 256, 8),
-    ("NHD", torch.bfloat16, None, None, 64, 16),
+    ("NHD", FP8, "per_token", None, 128, 16, 16),
+    ("HND", FP8, "per_tensor", 100, 128, 16, 16),
+    ("NHD", torch.bfloat16, None, 30, 128, 16, 16),
+    ("HND", FP8, "per_token", 50, 256, 8, 16),
+    ("NHD", torch.bfloat16, None, None, 64, 16, 16),
+    ("NHD", FP8, "per_tensor", None, 128, 4, 256),
+    ("HND", FP8, "per_token", None, 128, 16, 128),
 )
-for layout, kv_dtype, scale, window, head_dim, heads in cases:
+for layout, kv_dtype, scale, window, head_dim, heads, page_size in cases:
     cache = pagedattn.build_paged_cache(
         [1000, 37, 2500, 4],
         num_kv_heads=2,
         head_dim=head_dim,
-        page_size=16,
+        page_size=page_size,
         kv_dtype=kv_dtype,
         kv_layout=layout,
         kv_scale=scale,
@@ -42,7 +44,7 @@ for layout, kv_dtype, scale, window, head_dim, heads in cases:
             num_q_heads=heads,
             num_kv_heads=2,
             head_dim=head_dim,
-            page_size=16,
+            page_size=page_size,
             query_len=3,
             kv_dtype=kv_dtype,
             kv_scale=scale,

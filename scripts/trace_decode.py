@@ -3,13 +3,13 @@
     python scripts/trace_decode.py [64x8192x1,16x32768x1,...]
 
 For each shape (FP8 per-tensor, 16/1 heads, head_dim 128, page 1024, default plan and launch
-config): the whole step with a fixed plan timed by CUDA-graph replays, then one decode whose
-programs stamp ``%globaltimer`` at their start and end and at each work's start, first tile
-and epilogue (``pagedattn.api.tracing``). Printed, in µs from the first program's start:
-when programs start (launch ramp), when they end (tail), and per work the set-up before the
-first tile, the tile loop and the epilogue, with the loop's streaming rate; then per SM its
-programs' last end and mean loop rate, and how that rate correlates with two more traced
-runs (same cache; a fresh cache, other page placement): a slow SM or slow data.
+config, the kernel family ``paged_decode`` picks): the whole step with a fixed plan timed by
+CUDA-graph replays, then one decode whose programs stamp ``%globaltimer`` at their start and end
+and at each work's start, first tile and epilogue (``pagedattn.api.tracing``). Printed, in µs
+from the first program's start: when programs start (launch ramp), when they end (tail), and per
+work the set-up before the first tile, the tile loop and the epilogue, with the loop's streaming
+rate; then per SM its programs' last end and mean loop rate, and how that rate correlates with
+two more traced runs (same cache; a fresh cache, other page placement): a slow SM or slow data.
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) 
     t0 = t[:, 0].min()
     start, end = t[:, 0] - t0, t[:, 1] - t0
     n_works = np.diff(plan.work_indptr.cpu().numpy())
+    works = plan.works.cpu().numpy()[: n_works.sum()]
+    tokens = np.bincount(works[:, 0], weights=works[:, 6] - works[:, 5], minlength=len(start))
+    # The first work's first tile in, from the program's start (programs with a work).
+    first_k = (t[:, 4] - t[:, 0])[n_works > 0]
     setup, loop, epi, rate = (times[k] for k in ("setup", "loop", "epilogue", "rate"))
     sm_end = np.zeros(sms)
     np.maximum.at(sm_end, t[:, 2].astype(int), end)
@@ -97,7 +101,9 @@ def trace_shape(batch: int, context: int, query_len: int, gen: torch.Generator) 
         f"{batch}x{context} q{query_len}: {plan.num_programs} programs, works/program "
         f"{pct(n_works, (0, 50, 100))}; step {step_us:.1f} µs ({kv / step_us / 1e3:.0f} GB/s); "
         f"decode span {span:.1f} µs ({kv / span / 1e3:.0f} GB/s)\n"
+        f"  tokens/program min/p50/p90/max {pct(tokens)}\n"
         f"  start     min/p50/p90/max {pct(start)}\n"
+        f"  first tile in, from the program's start, min/p50/p90/max {pct(first_k)}\n"
         f"  end       min/p50/p90/max {pct(end)}\n"
         f"  duration  min/p50/p90/max {pct(end - start)}\n"
         f"  set-up    min/p50/p90/max {pct(setup)}\n"

@@ -89,7 +89,8 @@ def tracing(buffer: torch.Tensor):
     """Profiling only (``scripts/trace_decode.py``, compiled kernels): inside this block,
     :func:`paged_decode` fills ``buffer``, int64 ``[num_programs, TRACE_SLOTS]``, with
     ``%globaltimer`` stamps of each program and its first works (see
-    ``pagedattn._kernels.decode``)."""
+    ``pagedattn._kernels.decode``), on either kernel family (the Hopper family stamps a work's
+    first tile when its K has landed in shared memory)."""
     token = _TRACE.set(buffer)
     try:
         yield buffer
@@ -777,7 +778,6 @@ def paged_decode(
         kv_layout=kv_layout,
         sliding_window=sliding_window,
         uses=(
-            (trace is not None, "tracing"),
             (launch_config is not None, "launch_config"),
             (exact_qk, "exact_qk (its Q K^T runs on FP8 tensor cores)"),
             *portable_features(
@@ -790,12 +790,11 @@ def paged_decode(
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    family_args = dict(sliding_window=sliding_window)
+    family_args = dict(sliding_window=sliding_window, trace=trace)
     if family == "triton":
         family_args.update(
             exact_qk=exact_qk,
             launch_config=launch_config,
-            trace=trace,
             sinks=sinks,
             logits_soft_cap=logits_soft_cap,
             query_start_loc=query_start_loc,

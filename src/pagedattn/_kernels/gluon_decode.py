@@ -56,6 +56,7 @@ from ..api import (
     pdl_enabled,
     reduce_partials,
 )
+from .decode import TRACE_SLOTS, TRACE_WORKS
 from .records import (
     FAULT_CAPACITY,
     FAULT_PAGE_ID,
@@ -136,6 +137,22 @@ def _release_dependents():
 
 
 @gluon.jit
+def _globaltimer():
+    """The GPU's nanosecond clock (``%globaltimer``), for profiling stamps."""
+    return gl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _smid():
+    """The SM this program runs on, for profiling stamps."""
+    return gl.inline_asm_elementwise(
+        "mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def _round_4_bits(x):
     # Rounded to 4 significant bits on the bits (ties away from zero), as decode.py does.
     b = x.to(gl.int32, bitcast=True)
@@ -178,6 +195,22 @@ def _work_bounds(
         token_start = gl.maximum(token_start, first_key // BLOCK * BLOCK)
     n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
     return seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles
+
+
+@gluon.jit
+def _first_page(
+    works_ptr, w, block_table_ptr, stride_bt, stride_bt_col, capacity, PAGE_SIZE: gl.constexpr
+):
+    """The page id of work ``w``'s first token, from its record alone (0 for an empty range):
+    the range a record holds lies within the block table's columns (the scheduler's), and is
+    masked here to them anyway."""
+    rec = works_ptr + w * WORK_FIELDS
+    seq = gl.load(rec + WORK_SEQ)
+    token_start = gl.load(rec + WORK_TOKEN_START)
+    token_end = gl.load(rec + WORK_TOKEN_END)
+    used = (token_start < token_end) & (token_start < capacity) & (token_start >= 0)
+    row = block_table_ptr + seq.to(gl.int64) * stride_bt
+    return gl.load(row + (token_start // PAGE_SIZE) * stride_bt_col, mask=used, other=0)
 
 
 @gluon.jit
@@ -564,7 +597,14 @@ def _load_partition(
     work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
     work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
     it = 0
+    # A work's first page id comes from its record alone, so it is loaded beside the length
+    # checks rather than after them (one round trip less before the work's first copy).
+    EARLY_PAGE: gl.constexpr = SUB == 1 and not HAS_WINDOW
     for w in range(work_begin, work_end):
+        if EARLY_PAGE:
+            page = _first_page(
+                works_ptr, w, block_table_ptr, stride_bt, stride_bt_col, capacity, PAGE_SIZE
+            )
         seq, kv_head, token_start, token_end, _, _, _, _, n_tiles = _work_bounds(
             works_ptr,
             w,
@@ -583,7 +623,8 @@ def _load_partition(
             buf = g % STAGES
             start = token_start + i * BLOCK
             if SUB == 1:
-                page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
+                if not EARLY_PAGE:
+                    page = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col)
                 in_page = start % PAGE_SIZE
             # Slots start free: the first pass waits on the phase before the barrier's first.
             mbarrier.wait(empty.index(buf), ((g // STAGES) & 1) ^ 1)
@@ -593,6 +634,12 @@ def _load_partition(
                 at = [page, in_page, kv_head, 0]
                 tma.async_copy_global_to_shared(k_desc, at, kready.index(buf), k_s.index(buf))
                 tma.async_copy_global_to_shared(v_desc, at, vready.index(buf), v_s.index(buf))
+                if EARLY_PAGE:
+                    # The next tile's, while this warp waits for the next slot.
+                    page = gl.load(
+                        bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col,
+                        mask=i + 1 < n_tiles,
+                    )
             else:
                 # One page a copy, K's then V's; a runtime count (SUB), so not unrolled.
                 col = start // PAGE_SIZE
@@ -668,6 +715,7 @@ def _compute_partition(
     partial_out_ptr,
     partial_lse_ptr,
     qk_scale,
+    trace_ptr,
     GROUP: gl.constexpr,
     QLEN: gl.constexpr,
     R: gl.constexpr,
@@ -681,6 +729,7 @@ def _compute_partition(
     KV16: gl.constexpr,
     BLOCK: gl.constexpr,
     D: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
     """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
     P V out of the slot the load warp filled, handing the slot back once K and V are read;
@@ -719,6 +768,12 @@ def _compute_partition(
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [4, 1], [1, 0])
     # Page ids of a gathered tile, one token a thread.
     pg_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    if TRACE:
+        # Profiling stamps (see TRACE_SLOTS): start, end, SM, then per work of the first
+        # TRACE_WORKS its start, its first tile's K in the slot and its epilogue.
+        trace_row = trace_ptr + gl.program_id(0) * TRACE_SLOTS
+        gl.store(trace_row, _globaltimer())
+        gl.store(trace_row + 2, _smid().to(gl.int64))
     _wait_for_prior_grid()
     if SCALE_MODE == 1:
         k_scale = gl.load(k_scale_ptr)
@@ -734,6 +789,11 @@ def _compute_partition(
     work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
     it = 0
     for w in range(work_begin, work_end):
+        if TRACE:
+            trace_work = trace_row + 3 + (w - work_begin) * 3
+            trace_on = w - work_begin < TRACE_WORKS
+            if trace_on:
+                gl.store(trace_work, _globaltimer())
         bounds = _work_bounds(
             works_ptr,
             w,
@@ -828,6 +888,9 @@ def _compute_partition(
                 ks = offs_s
                 vs = offs_s
             mbarrier.wait(kready.index(buf), ph)
+            if TRACE:
+                if trace_on & (i == 0):
+                    gl.store(trace_work + 1, _globaltimer())
             s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
             mbarrier.wait(vready.index(buf), ph)
             if KV16:
@@ -896,6 +959,9 @@ def _compute_partition(
             v_unit = v_norm
         else:
             v_unit = v_scale
+        if TRACE:
+            if trace_on:
+                gl.store(trace_work + 2, _globaltimer())
         _epilogue(
             o,
             m_i,
@@ -924,6 +990,8 @@ def _compute_partition(
             o_l,
         )
     # After this program's last write.
+    if TRACE:
+        gl.store(trace_row + 1, _globaltimer())
     _release_dependents()
 
 
@@ -962,6 +1030,7 @@ def gluon_decode_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     qk_scale,
+    trace_ptr,  # int64 [num_programs, TRACE_SLOTS] clock stamps (profiling; if TRACE)
     GROUP: gl.constexpr,
     QLEN: gl.constexpr,
     R: gl.constexpr,
@@ -977,6 +1046,7 @@ def gluon_decode_kernel(
     BLOCK: gl.constexpr,
     D: gl.constexpr,
     HALVES: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
     """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
     thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works.
@@ -1069,6 +1139,7 @@ def gluon_decode_kernel(
                     partial_out_ptr,
                     partial_lse_ptr,
                     qk_scale,
+                    trace_ptr,
                     GROUP,
                     QLEN,
                     R,
@@ -1082,6 +1153,7 @@ def gluon_decode_kernel(
                     KV16,
                     BLOCK,
                     D,
+                    TRACE,
                 ),
             ),
             (
@@ -1200,11 +1272,13 @@ def variant(
     window: bool = False,
     kv_dtype: torch.dtype = torch.float8_e4m3fn,
     head_dim: int = 128,
+    trace: bool = False,
 ) -> dict:
     """The kernel's constexprs for one case (``half``, ``transposed`` None: the defaults,
     :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window;
     ``kv_dtype``: the cache's, a 16-bit one (bf16 or fp16) with a query of its dtype and
-    ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``). Raises ``ValueError`` for a case
+    ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``; ``trace``: the profiling stamps of
+    :func:`pagedattn.api.tracing`). Raises ``ValueError`` for a case
     outside the family's shapes (``api._hopper_shape_reason``) or a tuning it cannot take."""
     kv16 = kv_dtype != torch.float8_e4m3fn
     reason = _hopper_shape_reason(
@@ -1252,6 +1326,7 @@ def variant(
         "BLOCK": block,
         "D": head_dim,
         "HALVES": page_parts(page_size, kv_dtype, head_dim),
+        "TRACE": trace,
     }
 
 
@@ -1288,6 +1363,7 @@ def _signature(constexprs, kv_dtype):
         "lse_ptr": "*fp32",
         "partial_out_ptr": "*fp32",
         "qk_scale": "fp32",
+        "trace_ptr": "*i64",
     }
     # A launch specialises ints equal to 1 as constants.
     constexprs = {**constexprs, "stride_bt_col": 1}
@@ -1320,6 +1396,7 @@ def compile_sm90a(
     window: bool = False,
     kv_dtype: torch.dtype | str = torch.float8_e4m3fn,
     head_dim: int = 128,
+    trace: bool = False,
 ):
     """Compiles one variant (:func:`variant`'s arguments; ``kv_dtype`` also by its name in
     ``torch``) for sm_90a without a GPU (Triton's bundled ptxas); returns the compiled
@@ -1343,6 +1420,7 @@ def compile_sm90a(
         window=window,
         kv_dtype=kv_dtype,
         head_dim=head_dim,
+        trace=trace,
     )
     signature, constexprs, attrs = _signature(constexprs, kv_dtype)
     source = GluonASTSource(
@@ -1505,10 +1583,11 @@ def launch(
     load_regs: int = DEFAULT_LOAD_REGS,
     transposed: bool | None = None,
     reduce_config=None,
+    trace: torch.Tensor | None = None,
 ):
     """The decode kernel and the shared reducer on checked, covered arguments (``maxnreg``:
     the register cap a thread over both warpgroups; ``load_regs`` of them in the load warp,
-    the compute warpgroup gets the rest)."""
+    the compute warpgroup gets the rest; ``trace``: see :func:`pagedattn.api.tracing`)."""
     if shape.batch == 0:
         return
     group = shape.num_q_heads // shape.num_kv_heads
@@ -1531,6 +1610,7 @@ def launch(
         window=sliding_window is not None,
         kv_dtype=shape.kv_dtype,
         head_dim=shape.head_dim,
+        trace=trace is not None,
     )
     args = (
         q,
@@ -1561,6 +1641,7 @@ def launch(
         plan.partials,
         plan.partials[plan.lse_offset :],
         sm_scale * LOG2E,
+        trace if trace is not None else plan.partials,  # never written without TRACE
     )
     options = dict(num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}))
     # Launched early (while the scheduler runs) only where its grid fills every SM exactly.
