@@ -1278,8 +1278,8 @@ def variant(
     :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window;
     ``kv_dtype``: the cache's, a 16-bit one (bf16 or fp16) with a query of its dtype and
     ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``; ``trace``: the profiling stamps of
-    :func:`pagedattn.api.tracing`). Raises ``ValueError`` for a case
-    outside the family's shapes (``api._hopper_shape_reason``) or a tuning it cannot take."""
+    :func:`pagedattn.api.tracing`). Raises ``ValueError`` for a case outside the family's
+    shapes (``api._hopper_shape_reason``) or a tuning it cannot take."""
     kv16 = kv_dtype != torch.float8_e4m3fn
     reason = _hopper_shape_reason(
         kv_dtype=kv_dtype,
@@ -1363,7 +1363,7 @@ def _signature(constexprs, kv_dtype):
         "lse_ptr": "*fp32",
         "partial_out_ptr": "*fp32",
         "qk_scale": "fp32",
-        "trace_ptr": "*i64",
+        "trace_ptr": "*fp32",  # the partials stand in where nothing is traced
     }
     # A launch specialises ints equal to 1 as constants.
     constexprs = {**constexprs, "stride_bt_col": 1}
