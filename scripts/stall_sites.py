@@ -10,7 +10,8 @@ sampling (GPU machine with ``ncu``):
 Prints the share of all samples per stall reason, the share per execution count (each
 count is one kind of code: a count of programs x warps is set-up a warp runs once, programs
 x tiles x warps the tile loop of a role; so the shares split the time between roles), then
-the ``TOP`` (default 30) instructions with the most samples and their main reasons.
+the ``TOP`` (default 30) instructions with the most samples, in address order, with their
+main reasons (those with over a tenth of the instruction's samples).
 """
 
 from __future__ import annotations

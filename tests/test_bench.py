@@ -542,8 +542,43 @@ def test_micro_sweeps_command_line():
     assert args.run is micro.decode and args.shapes[0] == (128, 8192, 1)
     assert (args.page_alias, args.maxnreg, args.tma, args.flags) == ([0, 8], [0], [1], ["11"])
     assert args.reduce == ["auto", "16:32:8:1:4"] and args.programs is None
+    args = parser.parse_args(["parts", "--shapes", "1x1024x1,64x8192x4", "--scales", "per_token"])
+    assert (args.run, args.shapes, args.scales, args.page_size) == (
+        micro.parts,
+        [(1, 1024, 1), (64, 8192, 4)],
+        ["per_token"],
+        1024,
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["tune"])
+
+
+def test_stall_sites_reads_the_source_page(tmp_path, capsys):
+    """scripts/stall_sites.py on a source page as Nsight Compute writes it (a title line, then
+    the header): shares by reason and by execution count, then the busiest instructions in
+    address order with their main reasons."""
+    script = ROOT / "scripts" / "stall_sites.py"
+    spec = importlib.util.spec_from_file_location("stall_sites", script)
+    stall_sites = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stall_sites)
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+    header += ["stall_barrier", "stall_long_sb", "stall_long_sb (Not Issued)"]
+    rows = [
+        ["0x0", "NOP", "30", "264", "30", "0", "0"],
+        ["0x10", "@!P0 BRA 0x0", "60", "8192", "0", "60", "60"],
+        ["0x20", "FADD R1, R2, R3", "10", "8192", "0", "2", "2"],
+    ]
+    path = tmp_path / "sass.csv"
+    path.write_text(
+        '"Kernel Name","k",\n' + "\n".join(",".join(f'"{c}"' for c in r) for r in [header, *rows])
+    )
+    stall_sites.sys.argv = ["stall_sites.py", str(path), "2"]
+    stall_sites.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "100 samples"
+    assert out[1] == "by reason: long_sb 62.0%, barrier 30.0%"
+    assert out[2] == "by execution count: 8192: 70.0%, 264: 30.0%"
+    assert len(out) == 5 and "BRA" in out[4] and "long_sb 60" in out[4] and "NOP" in out[3]
 
 
 def test_list_cases_needs_no_gpu(capsys):
