@@ -56,6 +56,7 @@ from ..api import (
     pdl_enabled,
     reduce_partials,
 )
+from .common import globaltimer, smid
 from .decode import TRACE_SLOTS, TRACE_WORKS
 from .records import (
     FAULT_CAPACITY,
@@ -133,22 +134,6 @@ def _release_dependents():
         dtype=gl.int32,
         is_pure=False,
         pack=1,
-    )
-
-
-@gluon.jit
-def _globaltimer():
-    """The GPU's nanosecond clock (``%globaltimer``), for profiling stamps."""
-    return gl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _smid():
-    """The SM this program runs on, for profiling stamps."""
-    return gl.inline_asm_elementwise(
-        "mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
     )
 
 
@@ -772,8 +757,8 @@ def _compute_partition(
         # Profiling stamps (see TRACE_SLOTS): start, end, SM, then per work of the first
         # TRACE_WORKS its start, its first tile's K in the slot and its epilogue.
         trace_row = trace_ptr + gl.program_id(0) * TRACE_SLOTS
-        gl.store(trace_row, _globaltimer())
-        gl.store(trace_row + 2, _smid().to(gl.int64))
+        gl.store(trace_row, globaltimer())
+        gl.store(trace_row + 2, smid().to(gl.int64))
     _wait_for_prior_grid()
     if SCALE_MODE == 1:
         k_scale = gl.load(k_scale_ptr)
@@ -793,7 +778,7 @@ def _compute_partition(
             trace_work = trace_row + 3 + (w - work_begin) * 3
             trace_on = w - work_begin < TRACE_WORKS
             if trace_on:
-                gl.store(trace_work, _globaltimer())
+                gl.store(trace_work, globaltimer())
         bounds = _work_bounds(
             works_ptr,
             w,
@@ -890,7 +875,7 @@ def _compute_partition(
             mbarrier.wait(kready.index(buf), ph)
             if TRACE:
                 if trace_on & (i == 0):
-                    gl.store(trace_work + 1, _globaltimer())
+                    gl.store(trace_work + 1, globaltimer())
             s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
             mbarrier.wait(vready.index(buf), ph)
             if KV16:
@@ -961,7 +946,7 @@ def _compute_partition(
             v_unit = v_scale
         if TRACE:
             if trace_on:
-                gl.store(trace_work + 2, _globaltimer())
+                gl.store(trace_work + 2, globaltimer())
         _epilogue(
             o,
             m_i,
@@ -991,7 +976,7 @@ def _compute_partition(
         )
     # After this program's last write.
     if TRACE:
-        gl.store(trace_row + 1, _globaltimer())
+        gl.store(trace_row + 1, globaltimer())
     _release_dependents()
 
 
