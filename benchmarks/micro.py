@@ -170,18 +170,18 @@ def parts(args: argparse.Namespace) -> None:
             refill()
             decode()
 
-        reduce_alone = functools.partial(reduce_partials, plan, out, None)
+        def timed(step):
+            return time_graph([step] * GRAPH_CALLS).us_p50
+
         # The decode kernel alone: both families call the reducer through these names.
         skip = lambda *a, **k: None  # noqa: E731
         with (
             unittest.mock.patch.object(gluon_decode, "reduce_partials", skip),
             unittest.mock.patch.object(pagedattn.api, "reduce_partials", skip),
         ):
-            decode_alone = time_graph([decode] * GRAPH_CALLS).us_p50
-        times = [time_graph([f] * GRAPH_CALLS).us_p50 for f in (whole, decode)]
-        times += [decode_alone] + [
-            time_graph([f] * GRAPH_CALLS).us_p50 for f in (refill, reduce_alone)
-        ]
+            decode_alone = timed(decode)
+        reduce_alone = functools.partial(reduce_partials, plan, out, None)
+        times = [timed(whole), timed(decode), decode_alone, timed(refill), timed(reduce_alone)]
         works = int(plan.work_indptr[-1])
         print(f"| {batch}x{context}x{query_len} | {scale} | "
               + " | ".join(f"{t:.2f}" for t in times)
