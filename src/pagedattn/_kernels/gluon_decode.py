@@ -10,7 +10,7 @@ to its own position), pages of 8 tokens or more (a tile is 128 tokens of FP8, 64
 partitions of at least a tile, NHD or HND, with or without a sliding window
 (``api._hopper_shape_reason`` and :func:`unsupported` say what else).
 
-Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
+Warp-specialised (``gl.warp_specialize``), partitions joined by mbarriers:
 
 - the load warp (``_load_partition``) walks the program's works and tiles and copies each
   tile's K and V (one bulk tensor copy of a tile out of one page, or one per page shorter
@@ -20,17 +20,20 @@ Warp-specialised (``gl.warp_specialize``), two partitions joined by mbarriers:
   shared memory (``_load_query``; a 16-bit cache's query as it is); per tile: scores on FP8
   wgmma with the keys as stored (``_scores``), online softmax in log2 units (``_softmax``),
   values (P V on fp16 wgmma: an FP8 V read out of its slot into registers as fp16, or
-  converted through shared memory; a 16-bit V straight out of its slot; the slot handed
-  back once K and V are read); then the
+  converted through shared memory by the converter warps; a 16-bit V straight out of its
+  slot; the slot handed back once K and V are read); then the
   epilogue (``_epilogue``: fault bits, then ``out`` rows and LSE (natural log) or the work's
-  partial slot (float32 rows, LSE in log2 units) for the shared reducer).
+  partial slot (float32 rows, LSE in log2 units) for the shared reducer);
+- in the rows form with FP8 V, two converter warps (``_convert_partition``) beside the load
+  warp: each tile's V to fp16 in one shared buffer, while the compute warpgroup runs the
+  tile's Q K^T and softmax (in the other forms they return at once).
 
 Two forms of the MMAs (constexpr ``TRANSPOSED``): up to 16 query rows, S^T = K Q^T and O^T =
 V^T P^T with the rows as N (padded to ``R`` = 8 or 16; row sums kept per thread, P through
 shared memory, an FP8 V^T as the A operand in registers, ``_v_operand``); more rows,
 S = Q K^T and O = P V with 64 rows as M (row maxima and sums within a thread quad, P in
-registers as the A operand, the whole V tile converted to fp16 in shared memory, ``HALF``
-tokens at a time, before the MMA).
+registers as the A operand, the whole V tile converted to fp16 in shared memory by the
+converter warps, ``HALF`` tokens at a time, before the MMA).
 """
 
 import torch
@@ -84,18 +87,22 @@ DEFAULT_STAGES = 2
 DEFAULT_MAXNREG = 128
 DEFAULT_LOAD_REGS = 24
 NUM_WARPS = 4
+# The rows form's converter partition (FP8 V to fp16 for the P V MMA): two warps beside the
+# load warp in the second warpgroup, which takes the larger register count of the two.
+CONVERT_WARPS = gl.constexpr(2)
+DEFAULT_CONVERT_REGS = 24
 LN2 = gl.constexpr(0.6931471805599453)
 
 
 def default_half(transposed: bool = False, block: int = BLOCK_N) -> int:
-    """Tokens of an FP8 V tile converted to fp16 in shared memory at a time: the rows form
-    converts the whole tile before its MMA, 32 tokens at a time (its score and output
-    accumulators take 128 registers a thread). The transposed form reads V into registers
+    """Tokens of an FP8 V tile converted to fp16 in shared memory at a time: in the rows form
+    its converter warps convert the whole tile before the MMA, 16 tokens at a time (32
+    spill at their 32 registers a thread). The transposed form reads V into registers
     instead (``_v_operand``), so its ``HALF`` is the tile's ``block`` tokens and unused;
     whole step 0.942x in geometric mean over the seed grid's per-tensor query_len-1 shapes
     at pages 16 and 1024 against converting through shared memory (`scripts/gpu_check.sh
     ab_src`, H200)."""
-    return block if transposed else 32
+    return block if transposed else 16
 
 
 def default_transposed(group: int, query_len: int) -> bool:
@@ -537,6 +544,77 @@ def _epilogue(
 
 
 @gluon.jit
+def _convert_partition(
+    v2,
+    v16_s,
+    vready,
+    empty,
+    vconv,
+    v16free,
+    seq_lens_ptr,
+    work_indptr_ptr,
+    works_ptr,
+    planned_lens_ptr,
+    num_pages,
+    capacity,
+    window,
+    STAGES: gl.constexpr,
+    QLEN: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    HALF: gl.constexpr,
+    BLOCK: gl.constexpr,
+    D: gl.constexpr,
+    TRANSPOSED: gl.constexpr,
+    KV16: gl.constexpr,
+):
+    """Converter warps of the rows form (FP8 V): walk the program's works and tiles as the
+    other roles do; per tile, once the compute warpgroup's P V MMA of the tile before has
+    read the fp16 buffer (``v16free``) and the slot's V has landed, V to fp16 in ``v16_s``,
+    ``HALF`` tokens at a time (tokens past the work's end as zeros); then the buffer goes to
+    the compute warpgroup (``vconv``) and the slot's V back to the load warp (``empty``,
+    which also waits for the compute warpgroup's K)."""
+    # Other forms read V themselves: these warps leave at once.
+    if not (TRANSPOSED or KV16):
+        COLS: gl.constexpr = 8 - 4 * (D == 64)
+        cl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [CONVERT_WARPS, 1], [1, 0])
+        _wait_for_prior_grid()
+        pid = gl.program_id(0)
+        work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
+        work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
+        it = 0
+        for w in range(work_begin, work_end):
+            _, _, token_start, token_end, _, _, _, _, n_tiles = _work_bounds(
+                works_ptr,
+                w,
+                seq_lens_ptr,
+                planned_lens_ptr,
+                num_pages,
+                capacity,
+                window,
+                BLOCK,
+                QLEN,
+                HAS_WINDOW,
+            )
+            for i in range(n_tiles):
+                g = it + i
+                buf = g % STAGES
+                start = token_start + i * BLOCK
+                # The buffer starts free: the first tile waits on the phase before the first.
+                mbarrier.wait(v16free, (g & 1) ^ 1)
+                mbarrier.wait(vready.index(buf), (g // STAGES) & 1)
+                for h in gl.static_range(BLOCK // HALF):
+                    _convert_v(
+                        v2.index(buf), v16_s.slice(h * HALF, HALF), h, start, token_end, HALF, cl
+                    )
+                # V's fp16 stores before the MMA reads them; the slot's reads before its next copy.
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(vconv)
+                mbarrier.arrive(empty.index(buf))
+            it += n_tiles
+
+
+@gluon.jit
 def _load_partition(
     k_desc,
     v_desc,
@@ -673,6 +751,8 @@ def _compute_partition(
     kready,
     vready,
     empty,
+    vconv,
+    v16free,
     k_scale_ptr,
     stride_ks_page,
     stride_ks_slot,
@@ -723,6 +803,8 @@ def _compute_partition(
     64 query rows as M, row sums per tile, P in registers. ``KV16``: a 16-bit cache in
     64-token tiles, its K and V multiplied as they are in the slot."""
     KW: gl.constexpr = 32 - 16 * KV16  # the MMAs' K step: 32 bytes
+    # The rows form with FP8 V: converted by the converter warps (``_convert_partition``).
+    CONVERT: gl.constexpr = not (TRANSPOSED or KV16)
     TOK_AXIS: gl.constexpr = 1 - TRANSPOSED  # of the scores (and the head_dim of O)
     ROW_AXIS: gl.constexpr = TRANSPOSED
     if TRANSPOSED:
@@ -877,7 +959,8 @@ def _compute_partition(
                 if trace_on & (i == 0):
                     gl.store(trace_work + 1, globaltimer())
             s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
-            mbarrier.wait(vready.index(buf), ph)
+            if not CONVERT:
+                mbarrier.wait(vready.index(buf), ph)
             if KV16:
                 s = warpgroup_mma_wait(0, deps=[s])
             elif TRANSPOSED:
@@ -889,13 +972,8 @@ def _compute_partition(
                 if V_PART == BLOCK:
                     _hand_back(empty, buf)
             else:
-                for h in gl.static_range(BLOCK // HALF):
-                    _convert_v(
-                        v2.index(buf), v16_s.slice(h * HALF, HALF), h, start, token_end, HALF, blk
-                    )
+                # K read: the slot goes back once the converter warps have read its V too.
                 s = warpgroup_mma_wait(0, deps=[s])
-                # K and V read in every warp (and V's fp16 copy written, fenced for the MMA)
-                # before the slot is handed back.
                 _hand_back(empty, buf)
             if SCALE_MODE == 2 and not TRANSPOSED:
                 ks = gl.convert_layout(ks, tok_l)
@@ -934,7 +1012,12 @@ def _compute_partition(
                     _hand_back(empty, buf)
                     o = warpgroup_mma(vt, p_s.slice(V_PART, V_PART, dim=1).permute((1, 0)), o)
             else:
+                # V converted by the converter warps; the buffer goes back once every warp's
+                # MMA has read it.
+                mbarrier.wait(vconv, g & 1)
                 o = warpgroup_mma(p16, v16_s, o)
+                gl.thread_barrier()
+                mbarrier.arrive(v16free)
         it += n_tiles
         if TRANSPOSED:
             l_i = gl.sum(l_acc, axis=0)
@@ -1025,6 +1108,7 @@ def gluon_decode_kernel(
     STAGES: gl.constexpr,
     HALF: gl.constexpr,
     LOAD_REGS: gl.constexpr,
+    CONVERT_REGS: gl.constexpr,
     TRANSPOSED: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     KV16: gl.constexpr,
@@ -1075,10 +1159,21 @@ def gluon_decode_kernel(
     kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # The rows form with FP8 V: converter warps (``_convert_partition``) fill the fp16 buffer
+    # and hand the slot's V back; the compute warpgroup hands back its K.
+    CONVERT: gl.constexpr = not (TRANSPOSED or KV16)
+    if CONVERT:
+        vconv = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        v16free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(vconv, count=1)
+        mbarrier.init(v16free, count=1)
+    else:
+        vconv = empty.index(0)  # not used
+        v16free = vconv
     for st in gl.static_range(STAGES):
         mbarrier.init(kready.index(st), count=1)
         mbarrier.init(vready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1 + CONVERT)
     fence_async_shared()
     gl.warp_specialize(
         [
@@ -1097,6 +1192,8 @@ def gluon_decode_kernel(
                     kready,
                     vready,
                     empty,
+                    vconv,
+                    v16free,
                     k_scale_ptr,
                     stride_ks_page,
                     stride_ks_slot,
@@ -1171,14 +1268,43 @@ def gluon_decode_kernel(
                     BLOCK,
                 ),
             ),
+            (
+                _convert_partition,
+                (
+                    v2,
+                    v16_s,
+                    vready,
+                    empty,
+                    vconv,
+                    v16free,
+                    seq_lens_ptr,
+                    work_indptr_ptr,
+                    works_ptr,
+                    planned_lens_ptr,
+                    num_pages,
+                    capacity,
+                    window,
+                    STAGES,
+                    QLEN,
+                    HAS_WINDOW,
+                    HALF,
+                    BLOCK,
+                    D,
+                    TRANSPOSED,
+                    KV16,
+                ),
+            ),
         ],
-        [1],
-        [LOAD_REGS],
+        [1, CONVERT_WARPS],
+        [LOAD_REGS, CONVERT_REGS],
     )
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(kready.index(st))
         mbarrier.invalidate(vready.index(st))
         mbarrier.invalidate(empty.index(st))
+    if CONVERT:
+        mbarrier.invalidate(vconv)
+        mbarrier.invalidate(v16free)
 
 
 # -- host side --
@@ -1253,6 +1379,7 @@ def variant(
     stages: int = DEFAULT_STAGES,
     half: int | None = None,
     load_regs: int = DEFAULT_LOAD_REGS,
+    convert_regs: int = DEFAULT_CONVERT_REGS,
     transposed: bool | None = None,
     window: bool = False,
     kv_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -1305,6 +1432,9 @@ def variant(
         "STAGES": stages,
         "HALF": half or default_half(transposed, block),
         "LOAD_REGS": load_regs,
+        # The converter warps idle in the other forms: their warpgroup keeps the load warp's
+        # count, so the compute warpgroup's does not change.
+        "CONVERT_REGS": convert_regs if not (transposed or kv16) else load_regs,
         "TRANSPOSED": transposed,
         "HAS_WINDOW": window,
         "KV16": kv16,
@@ -1377,6 +1507,7 @@ def compile_sm90a(
     half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
     load_regs: int = DEFAULT_LOAD_REGS,
+    convert_regs: int = DEFAULT_CONVERT_REGS,
     transposed: bool | None = None,
     window: bool = False,
     kv_dtype: torch.dtype | str = torch.float8_e4m3fn,
@@ -1401,6 +1532,7 @@ def compile_sm90a(
         stages=stages,
         half=half,
         load_regs=load_regs,
+        convert_regs=convert_regs,
         transposed=transposed,
         window=window,
         kv_dtype=kv_dtype,
