@@ -214,6 +214,23 @@ def test_sm90a_build(builds, variant):
 
 
 @needs_gluon_build
+def test_converter_registers_only_where_the_converter_warps_work():
+    from pagedattn._kernels import gluon_decode
+
+    # The rows form with FP8 V gets its converter warps' count; elsewhere those warps return
+    # at once and their warpgroup keeps the load warp's count, so the compute warpgroup's
+    # registers do not depend on it.
+    rows = dict(group=16, query_len=4, page_size=1024, scale_mode=1, write_lse=False)
+    assert gluon_decode.variant(**rows, convert_regs=48)["CONVERT_REGS"] == 48
+    assert gluon_decode.variant(**rows)["CONVERT_REGS"] == gluon_decode.DEFAULT_CONVERT_REGS
+    for other in (
+        dict(rows, group=4),  # the transposed form
+        dict(rows, scale_mode=0, kv_dtype=torch.bfloat16),  # V multiplied as stored
+    ):
+        v = gluon_decode.variant(**other, load_regs=40, convert_regs=48)
+        assert v["CONVERT_REGS"] == v["LOAD_REGS"] == 40
+
+
 def test_variant_takes_half_only_where_v_is_converted():
     from pagedattn._kernels import gluon_decode
 

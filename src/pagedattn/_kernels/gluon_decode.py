@@ -88,7 +88,9 @@ DEFAULT_MAXNREG = 128
 DEFAULT_LOAD_REGS = 24
 NUM_WARPS = 4
 # The rows form's converter partition (FP8 V to fp16 for the P V MMA): two warps beside the
-# load warp in the second warpgroup, which takes the larger register count of the two.
+# load warp in the second warpgroup, which takes the larger register count of the two. 24,
+# the load warp's, leaves the compute warpgroup its 232; 32 and 48 (with 32-token chunks)
+# were within 0.003x of it in geometric mean (benchmarks/results/hopper/converter_ab.md).
 CONVERT_WARPS = gl.constexpr(2)
 DEFAULT_CONVERT_REGS = 24
 LN2 = gl.constexpr(0.6931471805599453)
@@ -96,8 +98,8 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 def default_half(transposed: bool = False, block: int = BLOCK_N) -> int:
     """Tokens of an FP8 V tile converted to fp16 in shared memory at a time: in the rows form
-    its converter warps convert the whole tile before the MMA, 16 tokens at a time (32
-    spill at their 32 registers a thread). The transposed form reads V into registers
+    its converter warps convert the whole tile before the MMA, 16 tokens at a time (32 at a
+    time spill at their 24 registers a thread). The transposed form reads V into registers
     instead (``_v_operand``), so its ``HALF`` is the tile's ``block`` tokens and unused;
     whole step 0.942x in geometric mean over the seed grid's per-tensor query_len-1 shapes
     at pages 16 and 1024 against converting through shared memory (`scripts/gpu_check.sh
@@ -1118,8 +1120,8 @@ def gluon_decode_kernel(
     TRACE: gl.constexpr,
 ):
     """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
-    thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works.
-    ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype); tiles of ``BLOCK`` tokens
+    thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works, and in
+    the rows form with FP8 V the converter warps (``CONVERT_REGS``). ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype); tiles of ``BLOCK`` tokens
     (:func:`tile_tokens`) of ``D`` dims, copied ``HALVES`` boxes a page (:func:`page_parts`)."""
     # The copies move an FP8 cache as fp16 pairs (:func:`copy_dtype`): the tiles in shared
     # memory are the same bytes, read by the compute warpgroup as e4m3.
@@ -1389,7 +1391,8 @@ def variant(
     """The kernel's constexprs for one case (``half``, ``transposed`` None: the defaults,
     :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window;
     ``kv_dtype``: the cache's, a 16-bit one (bf16 or fp16) with a query of its dtype and
-    ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``; ``trace``: the profiling stamps of
+    ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``; ``convert_regs``: the converter
+    warps' registers a thread, in the rows form with FP8 V; ``trace``: the profiling stamps of
     :func:`pagedattn.api.tracing`). Raises ``ValueError`` for a case outside the family's
     shapes (``api._hopper_shape_reason``) or a tuning it cannot take."""
     kv16 = kv_dtype != torch.float8_e4m3fn
@@ -1432,8 +1435,8 @@ def variant(
         "STAGES": stages,
         "HALF": half or default_half(transposed, block),
         "LOAD_REGS": load_regs,
-        # The converter warps idle in the other forms: their warpgroup keeps the load warp's
-        # count, so the compute warpgroup's does not change.
+        # The converter warps return at once in the other forms: their warpgroup keeps the
+        # load warp's count, so the compute warpgroup's does not change.
         "CONVERT_REGS": convert_regs if not (transposed or kv16) else load_regs,
         "TRANSPOSED": transposed,
         "HAS_WINDOW": window,
