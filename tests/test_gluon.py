@@ -231,6 +231,7 @@ def test_converter_registers_only_where_the_converter_warps_work():
         assert v["CONVERT_REGS"] == v["LOAD_REGS"] == 40
 
 
+@needs_gluon_build
 def test_variant_takes_half_only_where_v_is_converted():
     from pagedattn._kernels import gluon_decode
 
