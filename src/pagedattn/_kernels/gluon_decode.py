@@ -566,8 +566,7 @@ def _convert_partition(
     HALF: gl.constexpr,
     BLOCK: gl.constexpr,
     D: gl.constexpr,
-    TRANSPOSED: gl.constexpr,
-    KV16: gl.constexpr,
+    CONVERT: gl.constexpr,
 ):
     """Converter warps of the rows form (FP8 V): walk the program's works and tiles as the
     other roles do; per tile, once the compute warpgroup's P V MMA of the tile before has
@@ -576,7 +575,7 @@ def _convert_partition(
     the compute warpgroup (``vconv``) and the slot's V back to the load warp (``empty``,
     which also waits for the compute warpgroup's K)."""
     # Other forms read V themselves: these warps leave at once.
-    if not (TRANSPOSED or KV16):
+    if CONVERT:
         COLS: gl.constexpr = 8 - 4 * (D == 64)
         cl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [CONVERT_WARPS, 1], [1, 0])
         _wait_for_prior_grid()
@@ -797,6 +796,7 @@ def _compute_partition(
     BLOCK: gl.constexpr,
     D: gl.constexpr,
     TRACE: gl.constexpr,
+    CONVERT: gl.constexpr,  # the rows form with FP8 V: V converted by the converter warps
 ):
     """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
     P V out of the slot the load warp filled, handing the slot back once K and V are read;
@@ -805,8 +805,6 @@ def _compute_partition(
     64 query rows as M, row sums per tile, P in registers. ``KV16``: a 16-bit cache in
     64-token tiles, its K and V multiplied as they are in the slot."""
     KW: gl.constexpr = 32 - 16 * KV16  # the MMAs' K step: 32 bytes
-    # The rows form with FP8 V: converted by the converter warps (``_convert_partition``).
-    CONVERT: gl.constexpr = not (TRANSPOSED or KV16)
     TOK_AXIS: gl.constexpr = 1 - TRANSPOSED  # of the scores (and the head_dim of O)
     ROW_AXIS: gl.constexpr = TRANSPOSED
     if TRANSPOSED:
@@ -1238,6 +1236,7 @@ def gluon_decode_kernel(
                     BLOCK,
                     D,
                     TRACE,
+                    CONVERT,
                 ),
             ),
             (
@@ -1292,8 +1291,7 @@ def gluon_decode_kernel(
                     HALF,
                     BLOCK,
                     D,
-                    TRANSPOSED,
-                    KV16,
+                    CONVERT,
                 ),
             ),
         ],
