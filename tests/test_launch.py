@@ -12,6 +12,7 @@ from pagedattn.launch import (
     default_grid_multiplier,
     default_partition,
     head_chunks,
+    invariant_reduce_config,
     reduce_launch_config,
     schedule_locals,
     schedule_warps,
@@ -115,12 +116,15 @@ def test_head_chunks_rejects_other_counts(chunk, head_dim):
 @pytest.mark.parametrize(
     "rows, head_dim, records, expected",
     [
-        # Up to 16 rows: all rows x 16 columns, 2048 elements a step, whatever the records.
-        (16, 128, 1, (16, 16, 8)),
-        (16, 128, 64, (16, 16, 8)),
-        (16, 128, 256, (16, 16, 8)),
+        # Up to 16 rows: all rows, columns for about one program per SM, 2048 elements a step.
+        (16, 128, 1, (16, 16, 8)),  # one record: 8 programs of 16 columns
+        (16, 128, 16, (16, 16, 8)),
+        (16, 128, 64, (16, 32, 4)),  # 64 x 4 programs
+        (16, 128, 128, (16, 64, 2)),
+        (16, 128, 256, (16, 128, 1)),  # one program a record
         (9, 64, 3, (16, 16, 8)),
         (8, 128, 5, (8, 16, 16)),
+        (8, 128, 132, (8, 128, 2)),
         (1, 64, 1, (1, 16, 64)),  # MQA, one row
         # More rows: about one program per SM, at most 2048 elements a step.
         (64, 128, 1, (16, 16, 8)),  # one long sequence: rows split, 16 columns
@@ -135,6 +139,17 @@ def test_reduce_launch_config(rows, head_dim, records, expected):
     red = reduce_launch_config(rows=rows, head_dim=head_dim, records=records, sm_count=132)
     assert (red.block_r, red.block_d, red.slot_block) == expected
     assert red.check(head_dim) is red
+
+
+@pytest.mark.parametrize(
+    "rows, head_dim, expected",
+    [(16, 128, (16, 16, 8)), (8, 256, (8, 16, 16)), (16, 64, (16, 16, 8)), (64, 128, (64, 32, 1))],
+)
+def test_invariant_reduce_config_is_fixed(rows, head_dim, expected):
+    # One tile for every batch size and device: 16 columns a program up to 16 rows (up to 16
+    # chunks merge in two steps), one program's worth of columns beyond.
+    red = invariant_reduce_config(rows=rows, head_dim=head_dim)
+    assert (red.block_r, red.block_d, red.slot_block) == expected
 
 
 @pytest.mark.parametrize(
