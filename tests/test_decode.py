@@ -203,6 +203,18 @@ CASES = {
             reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, num_stages=3),
         ),
     ),
+    # The widest reducer tile (all rows and columns, one partial a step) over many partials,
+    # as many-record steps get it.
+    "reduce-wide-tile-gqa4": Case(
+        (700, 90, 3),
+        num_programs=13,
+        launch=DecodeLaunchConfig(
+            block_n=16,
+            num_warps=4,
+            num_stages=2,
+            reduce=ReduceLaunchConfig(block_r=4, block_d=64, slot_block=1),
+        ),
+    ),
     "block-n-128-page16": Case(
         (300, 40),
         partition_size=256,
