@@ -93,9 +93,6 @@ NUM_WARPS = 4
 # were within 0.003x of it in geometric mean (benchmarks/results/hopper/converter_ab.md).
 CONVERT_WARPS = gl.constexpr(2)
 DEFAULT_CONVERT_REGS = 24
-# The rows form with FP8 V: each tile's P V asynchronous, beside the next tile's Q K^T and
-# softmax (``OVERLAP``; off: each tile's MMAs and softmax one after another).
-DEFAULT_OVERLAP = False
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -406,83 +403,6 @@ def _token_scales(
         other=0.0,
     )
     return ks, vs
-
-
-@gluon.jit
-def _tile_scales(
-    k_scale_ptr,
-    stride_ks_page,
-    stride_ks_slot,
-    stride_ks_head,
-    v_scale_ptr,
-    stride_vs_page,
-    stride_vs_slot,
-    stride_vs_head,
-    bt_row,
-    stride_bt_col,
-    nxt_id,
-    i,
-    n_tiles,
-    start,
-    token_end,
-    num_pages,
-    kv_head,
-    offs_s,
-    offs_pg,
-    PAGE_SIZE: gl.constexpr,
-    BLOCK: gl.constexpr,
-    SCALE_MODE: gl.constexpr,
-    TRANSPOSED: gl.constexpr,
-    tok_l: gl.constexpr,
-):
-    """Tile ``i``'s (first token ``start``) K and V scales a token with per-token scales
-    (else ``offs_s`` twice, not used); with whole-tile pages ``nxt_id`` is the tile's page
-    id, loaded during the tile before, and the next tile's is returned in its place."""
-    if SCALE_MODE == 2:
-        # Per-token scales: this warpgroup reads the ids too, for the scales' address.
-        if PAGE_SIZE >= BLOCK:
-            page_id = nxt_id
-            nxt_id = gl.load(
-                bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col,
-                mask=i + 1 < n_tiles,
-            )
-        else:
-            tok_pg = start + offs_pg
-            page_id = gl.load(
-                bt_row + (tok_pg // PAGE_SIZE) * stride_bt_col,
-                mask=tok_pg < token_end,
-                other=0,
-            )
-        page = _clamped_page(page_id, num_pages)
-        # The transposed form holds 4 tokens a thread: loaded where used. The other
-        # holds 32, so they are loaded one a thread and moved over when needed.
-        if TRANSPOSED:
-            sc_tok = start + offs_s
-        else:
-            sc_tok = start + offs_pg
-        if PAGE_SIZE < BLOCK and TRANSPOSED:
-            # Each token's page, from the gathered tile's one-a-thread layout.
-            tok_page = gl.convert_layout(gl.where(tok_pg < token_end, page, -1), tok_l)
-        else:
-            tok_page = gl.where(sc_tok < token_end, page, -1)
-        ks, vs = _token_scales(
-            k_scale_ptr,
-            stride_ks_page,
-            stride_ks_slot,
-            stride_ks_head,
-            v_scale_ptr,
-            stride_vs_page,
-            stride_vs_slot,
-            stride_vs_head,
-            tok_page,
-            sc_tok,
-            kv_head,
-            PAGE_SIZE,
-        )
-    else:
-        ks = offs_s
-        vs = offs_s
-    return ks, vs, nxt_id
 
 
 @gluon.jit
@@ -829,7 +749,6 @@ def _compute_partition(
     p_s,
     qhi_s,
     qlo_s,
-    order_s,
     kready,
     vready,
     empty,
@@ -878,7 +797,6 @@ def _compute_partition(
     D: gl.constexpr,
     TRACE: gl.constexpr,
     CONVERT: gl.constexpr,  # the rows form with FP8 V: V converted by the converter warps
-    OVERLAP: gl.constexpr,  # with CONVERT: a tile's P V beside the next tile's Q K^T and softmax
 ):
     """Compute warpgroup: per work, the query, then per tile Q K^T, the online softmax and
     P V out of the slot the load warp filled, handing the slot back once K and V are read;
@@ -986,17 +904,40 @@ def _compute_partition(
         if PAGE_SIZE >= BLOCK and SCALE_MODE == 2:
             # A tile's page id (for its scales) is loaded during the tile before.
             nxt_id = gl.load(bt_row + (token_start // PAGE_SIZE) * stride_bt_col, mask=n_tiles > 0)
-        else:
-            nxt_id = 0  # not used
-        if OVERLAP:
-            # The rows form with the converter warps: each tile's P V runs beside the next
-            # tile's Q K^T and softmax, and is waited for within that tile, so no MMA is in
-            # flight across the loop's back edge. A work without tiles (padding, an invalid
-            # range) goes straight to the epilogue.
-            if n_tiles > 0:
-                # Tile 0: its scores and P.
-                buf = it % STAGES
-                ks, vs, nxt_id = _tile_scales(
+        for i in range(n_tiles):
+            g = it + i
+            buf = g % STAGES
+            ph = (g // STAGES) & 1
+            start = token_start + i * BLOCK
+            tok = start + offs_s
+            if SCALE_MODE == 2:
+                # Per-token scales: this warpgroup reads the ids too, for the scales' address.
+                if PAGE_SIZE >= BLOCK:
+                    page_id = nxt_id
+                    nxt_id = gl.load(
+                        bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col,
+                        mask=i + 1 < n_tiles,
+                    )
+                else:
+                    tok_pg = start + offs_pg
+                    page_id = gl.load(
+                        bt_row + (tok_pg // PAGE_SIZE) * stride_bt_col,
+                        mask=tok_pg < token_end,
+                        other=0,
+                    )
+                page = _clamped_page(page_id, num_pages)
+                # The transposed form holds 4 tokens a thread: loaded where used. The other
+                # holds 32, so they are loaded one a thread and moved over when needed.
+                if TRANSPOSED:
+                    sc_tok = tok
+                else:
+                    sc_tok = start + offs_pg
+                if PAGE_SIZE < BLOCK and TRANSPOSED:
+                    # Each token's page, from the gathered tile's one-a-thread layout.
+                    tok_page = gl.convert_layout(gl.where(tok_pg < token_end, page, -1), tok_l)
+                else:
+                    tok_page = gl.where(sc_tok < token_end, page, -1)
+                ks, vs = _token_scales(
                     k_scale_ptr,
                     stride_ks_page,
                     stride_ks_slot,
@@ -1005,223 +946,78 @@ def _compute_partition(
                     stride_vs_page,
                     stride_vs_slot,
                     stride_vs_head,
-                    bt_row,
-                    stride_bt_col,
-                    nxt_id,
-                    0,
-                    n_tiles,
-                    token_start,
-                    token_end,
-                    num_pages,
+                    tok_page,
+                    sc_tok,
                     kv_head,
-                    offs_s,
-                    offs_pg,
                     PAGE_SIZE,
-                    BLOCK,
-                    SCALE_MODE,
-                    TRANSPOSED,
-                    tok_l,
                 )
-                mbarrier.wait(kready.index(buf), (it // STAGES) & 1)
-                if TRACE:
-                    if trace_on:
-                        gl.store(trace_work + 1, globaltimer())
-                s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
+            else:
+                ks = offs_s
+                vs = offs_s
+            mbarrier.wait(kready.index(buf), ph)
+            if TRACE:
+                if trace_on & (i == 0):
+                    gl.store(trace_work + 1, globaltimer())
+            s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
+            if not CONVERT:
+                mbarrier.wait(vready.index(buf), ph)
+            if KV16:
+                s = warpgroup_mma_wait(0, deps=[s])
+            elif TRANSPOSED:
+                # V^T's first part into registers while Q K^T runs (all of it, handing the
+                # slot back before the softmax, once the MMA has read K, unless it takes two
+                # parts).
+                vt = _v_operand(v2.index(buf), 0, start, token_end, V_PART, a_l)
+                s = warpgroup_mma_wait(0, deps=[s])
+                if V_PART == BLOCK:
+                    _hand_back(empty, buf)
+            else:
+                # K read: the slot goes back once the converter warps have read its V too.
                 s = warpgroup_mma_wait(0, deps=[s])
                 _hand_back(empty, buf)
-                if SCALE_MODE == 2:
-                    ks = gl.convert_layout(ks, tok_l)
-                m_i, l_acc, p, alpha = _softmax(
-                    s,
-                    m_i,
-                    l_acc,
-                    row_scale,
-                    token_start + offs_s,
-                    token_end,
-                    pos,
-                    ks,
-                    window,
-                    SCALE_MODE,
-                    QLEN,
-                    HAS_WINDOW,
-                    TOK_AXIS,
-                )
-                if SCALE_MODE == 2:
-                    vs = gl.convert_layout(vs, tok_l)
-                o, v_norm, p16 = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, TOK_AXIS, o_l)
-                # Tile i: its Q K^T, then tile i - 1's P V, both asynchronous; tile i's softmax
-                # while the P V runs.
-                for i in range(1, n_tiles):
-                    g = it + i
-                    buf = g % STAGES
-                    start = token_start + i * BLOCK
-                    ks, vs, nxt_id = _tile_scales(
-                        k_scale_ptr,
-                        stride_ks_page,
-                        stride_ks_slot,
-                        stride_ks_head,
-                        v_scale_ptr,
-                        stride_vs_page,
-                        stride_vs_slot,
-                        stride_vs_head,
-                        bt_row,
-                        stride_bt_col,
-                        nxt_id,
-                        i,
-                        n_tiles,
-                        start,
-                        token_end,
-                        num_pages,
-                        kv_head,
-                        offs_s,
-                        offs_pg,
-                        PAGE_SIZE,
-                        BLOCK,
-                        SCALE_MODE,
-                        TRANSPOSED,
-                        tok_l,
-                    )
-                    mbarrier.wait(kready.index(buf), (g // STAGES) & 1)
-                    s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
-                    mbarrier.wait(vconv, (g - 1) & 1)  # tile i - 1's V in fp16
-                    o = warpgroup_mma(p16, v16_s, o, is_async=True)
-                    s = warpgroup_mma_wait(1, deps=[s])  # Q K^T done, P V may still run
-                    if SCALE_MODE == 2:
-                        ks = gl.convert_layout(ks, tok_l)
-                    m_i, l_acc, p, alpha = _softmax(
-                        s,
-                        m_i,
-                        l_acc,
-                        row_scale,
-                        start + offs_s,
-                        token_end,
-                        pos,
-                        ks,
-                        window,
-                        SCALE_MODE,
-                        QLEN,
-                        HAS_WINDOW,
-                        TOK_AXIS,
-                    )
-                    # A byte a row out of the row sums to shared memory, never read: ptxas
-                    # keeps the wgmma wait after a shared-memory store, so the exponentials
-                    # the sums take are computed before the wait, beside the P V MMA (without
-                    # it, ptxas moves the wait ahead of them). Then the slot's K goes back
-                    # (its V goes back once converted, after this P V).
-                    order_s.store((l_acc < 0.0).to(gl.int8))
+            if SCALE_MODE == 2 and not TRANSPOSED:
+                ks = gl.convert_layout(ks, tok_l)
+            m_new, l_acc, p, alpha = _softmax(
+                s,
+                m_i,
+                l_acc,
+                row_scale,
+                tok,
+                token_end,
+                pos,
+                ks,
+                window,
+                SCALE_MODE,
+                QLEN,
+                HAS_WINDOW,
+                TOK_AXIS,
+            )
+            m_i = m_new
+            if SCALE_MODE == 2 and not TRANSPOSED:
+                vs = gl.convert_layout(vs, tok_l)
+            o, v_norm, p16 = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, TOK_AXIS, o_l)
+            if KV16 and TRANSPOSED:
+                o = _values16(o, v2.index(buf), p_s, empty, buf, start, token_end, BLOCK, blk)
+            elif KV16:
+                _clear_tail(v2.index(buf), start, token_end, BLOCK, blk)
+                o = warpgroup_mma(p16, v2.index(buf), o)
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(buf))
+            elif TRANSPOSED:
+                fence_async_shared()  # P^T's stores before the MMA reads them
+                gl.thread_barrier()
+                o = warpgroup_mma(vt, p_s.slice(0, V_PART, dim=1).permute((1, 0)), o)
+                if V_PART < BLOCK:
+                    vt = _v_operand(v2.index(buf), 1, start, token_end, V_PART, a_l)
                     _hand_back(empty, buf)
-                    # Tile i - 1's P V done: the fp16 buffer goes back once every warp's MMA
-                    # has read it; P (the MMA's A operand) is overwritten only after it.
-                    o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
-                    gl.thread_barrier()
-                    mbarrier.arrive(v16free)
-                    if SCALE_MODE == 2:
-                        vs = gl.convert_layout(vs, tok_l)
-                    o, v_norm, p16 = _stage_p(
-                        p, alpha, vs, v_norm, o, p_s, SCALE_MODE, TOK_AXIS, o_l
-                    )
-                # The last tile's P V.
-                mbarrier.wait(vconv, (it + n_tiles - 1) & 1)
+                    o = warpgroup_mma(vt, p_s.slice(V_PART, V_PART, dim=1).permute((1, 0)), o)
+            else:
+                # V converted by the converter warps; the buffer goes back once every warp's
+                # MMA has read it.
+                mbarrier.wait(vconv, g & 1)
                 o = warpgroup_mma(p16, v16_s, o)
                 gl.thread_barrier()
                 mbarrier.arrive(v16free)
-        else:
-            for i in range(n_tiles):
-                g = it + i
-                buf = g % STAGES
-                ph = (g // STAGES) & 1
-                start = token_start + i * BLOCK
-                tok = start + offs_s
-                ks, vs, nxt_id = _tile_scales(
-                    k_scale_ptr,
-                    stride_ks_page,
-                    stride_ks_slot,
-                    stride_ks_head,
-                    v_scale_ptr,
-                    stride_vs_page,
-                    stride_vs_slot,
-                    stride_vs_head,
-                    bt_row,
-                    stride_bt_col,
-                    nxt_id,
-                    i,
-                    n_tiles,
-                    start,
-                    token_end,
-                    num_pages,
-                    kv_head,
-                    offs_s,
-                    offs_pg,
-                    PAGE_SIZE,
-                    BLOCK,
-                    SCALE_MODE,
-                    TRANSPOSED,
-                    tok_l,
-                )
-                mbarrier.wait(kready.index(buf), ph)
-                if TRACE:
-                    if trace_on & (i == 0):
-                        gl.store(trace_work + 1, globaltimer())
-                s = _scores(k2.index(buf), qhi_s, qlo_s, BLOCK, R, s_l, TRANSPOSED, KV16)
-                if not CONVERT:
-                    mbarrier.wait(vready.index(buf), ph)
-                if KV16:
-                    s = warpgroup_mma_wait(0, deps=[s])
-                elif TRANSPOSED:
-                    # V^T's first part into registers while Q K^T runs (all of it, handing the
-                    # slot back before the softmax, once the MMA has read K, unless it takes two
-                    # parts).
-                    vt = _v_operand(v2.index(buf), 0, start, token_end, V_PART, a_l)
-                    s = warpgroup_mma_wait(0, deps=[s])
-                    if V_PART == BLOCK:
-                        _hand_back(empty, buf)
-                else:
-                    # K read: the slot goes back once the converter warps have read its V too.
-                    s = warpgroup_mma_wait(0, deps=[s])
-                    _hand_back(empty, buf)
-                if SCALE_MODE == 2 and not TRANSPOSED:
-                    ks = gl.convert_layout(ks, tok_l)
-                m_new, l_acc, p, alpha = _softmax(
-                    s,
-                    m_i,
-                    l_acc,
-                    row_scale,
-                    tok,
-                    token_end,
-                    pos,
-                    ks,
-                    window,
-                    SCALE_MODE,
-                    QLEN,
-                    HAS_WINDOW,
-                    TOK_AXIS,
-                )
-                m_i = m_new
-                if SCALE_MODE == 2 and not TRANSPOSED:
-                    vs = gl.convert_layout(vs, tok_l)
-                o, v_norm, p16 = _stage_p(p, alpha, vs, v_norm, o, p_s, SCALE_MODE, TOK_AXIS, o_l)
-                if KV16 and TRANSPOSED:
-                    o = _values16(o, v2.index(buf), p_s, empty, buf, start, token_end, BLOCK, blk)
-                elif KV16:
-                    _clear_tail(v2.index(buf), start, token_end, BLOCK, blk)
-                    o = warpgroup_mma(p16, v2.index(buf), o)
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index(buf))
-                elif TRANSPOSED:
-                    fence_async_shared()  # P^T's stores before the MMA reads them
-                    gl.thread_barrier()
-                    o = warpgroup_mma(vt, p_s.slice(0, V_PART, dim=1).permute((1, 0)), o)
-                    if V_PART < BLOCK:
-                        vt = _v_operand(v2.index(buf), 1, start, token_end, V_PART, a_l)
-                        _hand_back(empty, buf)
-                        o = warpgroup_mma(vt, p_s.slice(V_PART, V_PART, dim=1).permute((1, 0)), o)
-                else:
-                    # V converted by the converter warps; the buffer goes back once every warp's
-                    # MMA has read it.
-                    mbarrier.wait(vconv, g & 1)
-                    o = warpgroup_mma(p16, v16_s, o)
-                    gl.thread_barrier()
-                    mbarrier.arrive(v16free)
         it += n_tiles
         if TRANSPOSED:
             l_i = gl.sum(l_acc, axis=0)
@@ -1320,12 +1116,10 @@ def gluon_decode_kernel(
     D: gl.constexpr,
     HALVES: gl.constexpr,
     TRACE: gl.constexpr,
-    OVERLAP: gl.constexpr,
 ):
     """The decode step's works of this program: the load warp (``LOAD_REGS`` registers a
     thread) ahead of the compute warpgroup by up to ``STAGES`` tiles, across works, and in
-    the rows form with FP8 V the converter warps (``CONVERT_REGS``; ``OVERLAP``: there, each
-    tile's P V beside the next tile's Q K^T and softmax). ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype); tiles of ``BLOCK`` tokens
+    the rows form with FP8 V the converter warps (``CONVERT_REGS``). ``KV16``: a 16-bit cache (bf16 or fp16, the query's dtype); tiles of ``BLOCK`` tokens
     (:func:`tile_tokens`) of ``D`` dims, copied ``HALVES`` boxes a page (:func:`page_parts`)."""
     # The copies move an FP8 cache as fp16 pairs (:func:`copy_dtype`): the tiles in shared
     # memory are the same bytes, read by the compute warpgroup as e4m3.
@@ -1362,14 +1156,6 @@ def gluon_decode_kernel(
         else:
             v16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float16)
             v16_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], v16_sl)
-    if OVERLAP:
-        # A byte a query row, written and never read (``_compute_partition``: the store keeps
-        # the softmax's exponentials ahead of the wait for the P V MMA).
-        order_s = gl.allocate_shared_memory(
-            gl.int8, [R], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        )
-    else:
-        order_s = qhi_s  # not used
     kready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1403,7 +1189,6 @@ def gluon_decode_kernel(
                     p_s,
                     qhi_s,
                     qlo_s,
-                    order_s,
                     kready,
                     vready,
                     empty,
@@ -1452,7 +1237,6 @@ def gluon_decode_kernel(
                     D,
                     TRACE,
                     CONVERT,
-                    OVERLAP,
                 ),
             ),
             (
@@ -1601,15 +1385,13 @@ def variant(
     kv_dtype: torch.dtype = torch.float8_e4m3fn,
     head_dim: int = 128,
     trace: bool = False,
-    overlap: bool = DEFAULT_OVERLAP,
 ) -> dict:
     """The kernel's constexprs for one case (``half``, ``transposed`` None: the defaults,
     :func:`default_half` and :func:`default_transposed`; ``window``: a sliding window;
     ``kv_dtype``: the cache's, a 16-bit one (bf16 or fp16) with a query of its dtype and
     ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``; ``convert_regs``: the converter
     warps' registers a thread, in the rows form with FP8 V; ``trace``: the profiling stamps of
-    :func:`pagedattn.api.tracing`; ``overlap``: in the rows form with FP8 V, each tile's P V
-    beside the next tile's Q K^T and softmax, ignored in the other forms). Raises ``ValueError`` for a case outside the family's
+    :func:`pagedattn.api.tracing`). Raises ``ValueError`` for a case outside the family's
     shapes (``api._hopper_shape_reason``) or a tuning it cannot take."""
     kv16 = kv_dtype != torch.float8_e4m3fn
     reason = _hopper_shape_reason(
@@ -1661,8 +1443,6 @@ def variant(
         "D": head_dim,
         "HALVES": page_parts(page_size, kv_dtype, head_dim),
         "TRACE": trace,
-        # Only the rows form with FP8 V has it: the others build as without.
-        "OVERLAP": bool(overlap) and not (transposed or kv16),
     }
 
 
@@ -1734,7 +1514,6 @@ def compile_sm90a(
     kv_dtype: torch.dtype | str = torch.float8_e4m3fn,
     head_dim: int = 128,
     trace: bool = False,
-    overlap: bool = DEFAULT_OVERLAP,
 ):
     """Compiles one variant (:func:`variant`'s arguments; ``kv_dtype`` also by its name in
     ``torch``) for sm_90a without a GPU (Triton's bundled ptxas); returns the compiled
@@ -1760,7 +1539,6 @@ def compile_sm90a(
         kv_dtype=kv_dtype,
         head_dim=head_dim,
         trace=trace,
-        overlap=overlap,
     )
     signature, constexprs, attrs = _signature(constexprs, kv_dtype)
     source = GluonASTSource(
@@ -1858,7 +1636,6 @@ def gluon_paged_decode(
     maxnreg: int | None = DEFAULT_MAXNREG,
     load_regs: int = DEFAULT_LOAD_REGS,
     transposed: bool | None = None,
-    overlap: bool = DEFAULT_OVERLAP,
 ):
     """Decode with the Hopper kernel, then the shared split reducer; the arguments mean what
     they mean for :func:`pagedattn.paged_decode` (``lse``: a float32
@@ -1869,8 +1646,7 @@ def gluon_paged_decode(
     KV only; None: :func:`default_half`), ``maxnreg`` registers a thread over both
     warpgroups (128: two programs fit on an SM), ``load_regs`` of them in the load warp,
     ``transposed`` the form
-    of the MMAs (None: :func:`default_transposed`), ``overlap`` each tile's P V beside the
-    next tile's Q K^T and softmax (the rows form with FP8 KV only). Plans for it are best made
+    of the MMAs (None: :func:`default_transposed`). Plans for it are best made
     with two programs an SM (what ``plan_decode`` makes where the step runs on this family)."""
     from .. import checks
     from ..api import _run_checked
@@ -1898,12 +1674,7 @@ def gluon_paged_decode(
         )
     checked = (q, k_cache, v_cache, block_table, seq_lens, plan, shape)
     tuning = dict(
-        stages=stages,
-        half=half,
-        maxnreg=maxnreg,
-        load_regs=load_regs,
-        transposed=transposed,
-        overlap=overlap,
+        stages=stages, half=half, maxnreg=maxnreg, load_regs=load_regs, transposed=transposed
     )
     return _run_checked("gluon", checked, **given, lse=lse, sliding_window=sliding_window, **tuning)
 
@@ -1931,12 +1702,10 @@ def launch(
     transposed: bool | None = None,
     reduce_config=None,
     trace: torch.Tensor | None = None,
-    overlap: bool = DEFAULT_OVERLAP,
 ):
     """The decode kernel and the shared reducer on checked, covered arguments (``maxnreg``:
     the register cap a thread over both warpgroups; ``load_regs`` of them in the load warp,
-    the compute warpgroup gets the rest; ``trace``: see :func:`pagedattn.api.tracing`;
-    ``overlap``: see :func:`variant`)."""
+    the compute warpgroup gets the rest; ``trace``: see :func:`pagedattn.api.tracing`)."""
     if shape.batch == 0:
         return
     group = shape.num_q_heads // shape.num_kv_heads
@@ -1960,7 +1729,6 @@ def launch(
         kv_dtype=shape.kv_dtype,
         head_dim=shape.head_dim,
         trace=trace is not None,
-        overlap=overlap,
     )
     args = (
         q,
