@@ -125,6 +125,7 @@ def test_head_chunks_rejects_other_counts(chunk, head_dim):
         (9, 64, 3, (16, 16, 8)),
         (8, 128, 5, (8, 16, 16)),
         (8, 128, 132, (8, 128, 2)),
+        (16, 256, 256, (16, 128, 1)),  # at most 2048 elements a step
         (1, 64, 1, (1, 16, 64)),  # MQA, one row
         # More rows: about one program per SM, at most 2048 elements a step.
         (64, 128, 1, (16, 16, 8)),  # one long sequence: rows split, 16 columns
@@ -147,7 +148,7 @@ def test_reduce_launch_config(rows, head_dim, records, expected):
 )
 def test_invariant_reduce_config_is_fixed(rows, head_dim, expected):
     # One tile for every batch size and device: 16 columns a program up to 16 rows (up to 16
-    # chunks merge in two steps), one program's worth of columns beyond.
+    # chunks merge in two steps); more rows, the tile for one record on a single SM.
     red = invariant_reduce_config(rows=rows, head_dim=head_dim)
     assert (red.block_r, red.block_d, red.slot_block) == expected
 

@@ -146,20 +146,22 @@ def reduce_launch_config(
     """Reducer tile for ``records`` possible cut sequences (the plan's bound); at most 2048
     partial elements (rows x columns x partials) per step, not pipelined.
 
-    Up to 16 rows (``SMALL_ROWS``): all rows x as many columns as leave about one program per SM
-    over the records (16 to head_dim), partials to fill the step: a program waits for the whole
-    decode grid, so fewer of them end a step sooner (whole step, query_len 1: 128 x 1024 20.4 ->
-    18.5 µs, 256 x 1024 27.6 -> 26.5, 128 x 8192 78.2 -> 76.6, 64 x 8192 44.1 -> 44.4; one record,
-    16 columns x 8 partials, the tile measured fastest alone; docs/performance-log.md, "The
-    reducer"). More rows: about one program per
-    SM in all; many records keep all rows and 32+ columns, few records split the rows down to 16 and
-    then take 16 columns, so the merge spreads over many programs (q_len 4, 16 rows x 4: 64 x 8192
-    4.37 -> 3.97 µs with 64 x 32 x 1, 16 x 32768 6.80 -> 5.05 with 16 x 16 x 8; steps 18 and 35).
+    Up to 16 rows (``SMALL_ROWS``): all rows x as many columns (16 to head_dim) as leave about
+    one program per SM over the records, partials to fill the step: every program waits for the
+    whole decode grid, so fewer of them end a step sooner (whole step, query_len 1: 128 x 1024
+    20.4 -> 18.5 µs, 256 x 1024 27.6 -> 26.5, 128 x 8192 78.2 -> 76.6, 64 x 8192 44.1 -> 44.4;
+    one record keeps 16 columns x 8 partials, the tile measured fastest alone;
+    docs/performance-log.md, "The reducer"). More rows: about one program per SM in all; many
+    records keep all rows and 32+ columns, few records split the rows down to 16 and then take
+    16 columns, so the merge spreads over many programs (q_len 4, 16 rows x 4: 64 x 8192 4.37 ->
+    3.97 µs with 64 x 32 x 1, 16 x 32768 6.80 -> 5.05 with 16 x 16 x 8; steps 18 and 35).
     """
     if rows <= SMALL_ROWS:
         block_r = next_power_of_2(rows)
         block_d = head_dim
-        while records * (head_dim // block_d) < sm_count and block_d > 16:
+        while block_d > 16 and (
+            records * (head_dim // block_d) < sm_count or block_r * block_d > 2048
+        ):
             block_d //= 2
         slot_block = max(1, min(64, 2048 // (block_r * block_d)))
         return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
