@@ -119,13 +119,14 @@ for variant in json.loads(sys.argv[1]):
             capture_output=True, text=True, check=True,
         ).stdout
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
-    # The tile loop: the tightest backward branch around the last warpgroup MMA (a tile's
-    # P V). A barrier wait's out-of-line retry is no loop: its branch back lands right after
-    # the branch out to it.
+    # The tile loop: the tightest backward branch around a warpgroup MMA (a tile's Q K^T or
+    # P V: an order that issues the last tile's P V after the loop puts the kernel's last MMA
+    # outside it). A barrier wait's out-of-line retry is no loop: its branch back lands right
+    # after the branch out to it.
     code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     at = dict(code)
     branch = r"\bBRA\s+(?:`\()?0x([0-9a-f]+)"
-    last_mma = max((a for a, op in code if "GMMA" in op), default=0)  # HGMMA, QGMMA (FP8)
+    mmas = [a for a, op in code if "GMMA" in op]  # HGMMA, QGMMA (FP8)
 
     def retry(target, source):
         out = re.findall(branch, at.get(target - 16, ""))
@@ -135,7 +136,7 @@ for variant in json.loads(sys.argv[1]):
         (int(t, 16), a)
         for a, op in code
         for t in re.findall(branch, op)
-        if int(t, 16) <= last_mma <= a and not retry(int(t, 16), a)
+        if any(int(t, 16) <= m <= a for m in mmas) and not retry(int(t, 16), a)
     ]
     top, bottom = min(loops, key=lambda span: span[1] - span[0], default=(0, -1))
     results.append(dict(
