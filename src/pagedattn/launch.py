@@ -23,6 +23,8 @@ DEFAULT_PARTITION = 256  # tokens per partition (the seed's)
 DEFAULT_GRID_MULTIPLIER = 2
 SMALL_ROWS_GRID_MULTIPLIER = 4
 SMALL_ROWS = 16  # query rows per kv head (query_len x group) served by the small-row config
+# Partial elements (rows x columns x partials) a reducer program merges per step at most.
+REDUCE_STEP_ELEMENTS = 2048
 # Programs-per-SM stand-in when running through the interpreter on CPU: small, so CI is fast.
 CPU_SM_COUNT = 4
 
@@ -156,31 +158,26 @@ def reduce_launch_config(
     16 columns, so the merge spreads over many programs (q_len 4, 16 rows x 4: 64 x 8192 4.37 ->
     3.97 µs with 64 x 32 x 1, 16 x 32768 6.80 -> 5.05 with 16 x 16 x 8; steps 18 and 35).
     """
-    if rows <= SMALL_ROWS:
-        block_r = next_power_of_2(rows)
-        block_d = head_dim
-        while block_d > 16 and (
-            records * (head_dim // block_d) < sm_count or block_r * block_d > 2048
-        ):
-            block_d //= 2
-        slot_block = max(1, min(64, 2048 // (block_r * block_d)))
-        return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
     all_rows = block_r = next_power_of_2(rows)
     block_d = head_dim
-    target = -(-sm_count // max(records, 1))
+    if rows <= SMALL_ROWS:
+        while block_d > 16 and records * (head_dim // block_d) < sm_count:
+            block_d //= 2
+    else:
+        target = -(-sm_count // max(records, 1))
 
-    def programs():
-        return -(-rows // block_r) * (head_dim // block_d)
+        def programs():
+            return -(-rows // block_r) * (head_dim // block_d)
 
-    while programs() < target and block_d > 32:
+        while programs() < target and block_d > 32:
+            block_d //= 2
+        while programs() < target and block_r > 16:
+            block_r //= 2
+        if block_r < all_rows:
+            block_d = 16
+    while block_r * block_d > REDUCE_STEP_ELEMENTS and block_d > 16:
         block_d //= 2
-    while programs() < target and block_r > 16:
-        block_r //= 2
-    if block_r < all_rows:
-        block_d = 16
-    while block_r * block_d > 2048 and block_d > 16:
-        block_d //= 2
-    slot_block = max(1, min(64, 2048 // (block_r * block_d)))
+    slot_block = max(1, min(64, REDUCE_STEP_ELEMENTS // (block_r * block_d)))
     return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
 
 
