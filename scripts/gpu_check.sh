@@ -5,8 +5,8 @@
 # scheduler timing, the offline tuner, the side-by-side benchmark; a short summary printed
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $RESULTS (default
 # /tmp/gpu_check_out).
-#   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|all|profile|ab|
-#   ab_src|ab_multi] [args]
+#   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|all|profile|budget|
+#   ab|ab_src|ab_multi] [args]
 # (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
 # $RESULTS/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
@@ -113,6 +113,34 @@ if [[ $MODE == profile ]]; then
   summary+=("host: $(grep -E '^\| (plan_decode|paged_decode)' "$RESULTS/host.md" | tr '\n' ' ')")
   python3 scripts/trace_decode.py "$@" >"$RESULTS/trace.txt" 2>&1
   summary+=("trace: $(grep -E 'programs,' "$RESULTS/trace.txt" | tr '\n' ' ')")
+fi
+
+if [[ $MODE == budget ]]; then
+  # Each seed step taken apart (plan, decode, reducer; benchmarks/micro.py parts) beside the
+  # read ceiling of this run, the programs' trace at the larger shapes, and Nsight Compute's
+  # view of the reducer at 128 x 1024 (query_len 4 and 1).
+  python3 -c "from pagedattn.bench.ceiling import measure_read_gbps as m; print('read ceiling GB/s', round(m()[0]))" \
+    >"$RESULTS/budget_ceiling.txt" 2>&1
+  summary+=("$(cat "$RESULTS/budget_ceiling.txt")")
+  seed=$(for q in 1 4; do for b in 1 16 64 128 256; do for c in 1024 8192 32768; do
+    printf '%sx%sx%s,' $b $c $q; done; done; done)
+  large=16x32768x1,64x8192x1,128x8192x1,64x32768x1,256x8192x1,128x32768x1,256x32768x1
+  large=$large,$(sed "s/x1\(,\|$\)/x4\1/g" <<<"$large")
+  timeout "${BUDGET_SECONDS:-300}" python3 benchmarks/micro.py parts --shapes "${seed%,}" \
+    --scales per_tensor >"$RESULTS/budget_parts.txt" 2>&1
+  timeout "${BUDGET_SECONDS:-300}" python3 benchmarks/micro.py parts --shapes "$large" \
+    --scales per_token >>"$RESULTS/budget_parts.txt" 2>&1
+  summary+=("parts: $(grep -c '^| [0-9]' "$RESULTS/budget_parts.txt") shapes")
+  timeout "${BUDGET_SECONDS:-300}" python3 scripts/trace_decode.py "$large" \
+    >"$RESULTS/budget_trace.txt" 2>&1
+  summary+=("trace rc $?: $(grep -c 'programs,' "$RESULTS/budget_trace.txt") shapes")
+  for q in 4 1; do
+    ncu --clock-control none -k regex:_reduce_kernel --launch-count 1 --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis python3 scripts/profile_decode.py $q 128x1024 \
+      >"$RESULTS/budget_reducer_q$q.txt" 2>&1
+    summary+=("ncu reducer q$q rc $?")
+  done
 fi
 
 if [[ $MODE == ab ]]; then

@@ -215,6 +215,36 @@ CASES = {
             reduce=ReduceLaunchConfig(block_r=4, block_d=64, slot_block=1),
         ),
     ),
+    # Runs of a record's partials merged by programs of their own, then merged by the last
+    # to finish: one sequence of 13 partials in 4 runs of 4, 4, 4 and 1.
+    "reduce-runs-one-sequence": Case(
+        (900,),
+        num_programs=13,
+        launch=DecodeLaunchConfig(
+            block_n=16,
+            num_warps=4,
+            num_stages=2,
+            reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, groups=4),
+        ),
+    ),
+    # Runs of 4 partials over records of 2 kv heads and 2 query rows a head (rows padded to
+    # 16), per-token FP8, without the LSE; the short sequence's records merged whole.
+    "reduce-runs-kv-heads-qlen2": Case(
+        (900, 35, 100),
+        num_q_heads=8,
+        num_kv_heads=2,
+        query_len=2,
+        num_programs=28,
+        kv_dtype=FP8,
+        kv_scale="per_token",
+        lse=False,
+        launch=DecodeLaunchConfig(
+            block_n=16,
+            num_warps=4,
+            num_stages=2,
+            reduce=ReduceLaunchConfig(block_r=16, block_d=16, slot_block=1, groups=4),
+        ),
+    ),
     "block-n-128-page16": Case(
         (300, 40),
         partition_size=256,
@@ -301,6 +331,30 @@ def test_split_sequences_are_reduced(gen):
     plan, _ = run_case(CASES["many-programs-split"], gen)
     assert any(w.partial_slot >= 0 for w in plan.work_items())
     assert plan.reduce_items()
+
+
+def test_reduce_runs_leave_counts_at_zero(gen):
+    """With runs, the reducer programs that merged them put their arrival counts back to 0,
+    so the same plan decodes again to the same bits (and matches the reference)."""
+    case = CASES["reduce-runs-one-sequence"]
+    lens = [n * (40 if ON_GPU else 1) for n in case.lens]
+    cache, q = random_step(lens, **_sizes(case), device=DEVICE, generator=gen, extra_pages=2)
+    plan = _plan(case, cache.seq_lens)
+    assert max(n for *_, n in plan.reduce_items()) > 8  # more partials than a run holds
+    counts = plan.metadata[plan.run_counts_offset :]
+    assert counts.numel() > 0
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    run_lse = plan.partial_lse[plan.run_slot : plan.run_slot + 4]
+    outs = []
+    for _ in range(2):
+        plan.partials.fill_(float("nan"))
+        out = torch.full_like(q, float("nan"))
+        pagedattn.paged_decode(*args, plan=plan, out=out, launch_config=case.launch)
+        assert not counts.any()
+        assert run_lse.isfinite().all()  # the four runs were merged apart
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_error(outs[0], paged_decode_torch(*args)) < tolerance(case.kv_dtype, q.dtype)
 
 
 def _small_fp8_cache(lens, kv_scale, gen):

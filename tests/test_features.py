@@ -260,7 +260,8 @@ def test_bad_query_start_loc_faults_its_sequences_only(gen):
     plan = _plan(step, cache.seq_lens, query_start_loc=qsl)
     rows_fault, short = records.FAULT_QUERY_ROWS.value, records.FAULT_SHORT_LENGTH.value
     want = {0: rows_fault, 1: rows_fault, 2: rows_fault, 3: rows_fault, 5: short, 8: rows_fault}
-    planned = plan.metadata[plan.planned_rows_offset :].view(-1, 2).cpu().tolist()
+    planned = plan.metadata[plan.planned_rows_offset : plan.run_counts_offset]
+    planned = planned.view(-1, 2).cpu().tolist()
     assert planned == [[-1, -1]] * 4 + [[8, 10], [10, 12], [12, 12], [12, 13], [13, 16]]
     with pytest.raises(ValueError, match=r"query_start_loc: 6 faulty sequence\(s\).*sequence 0"):
         _decode_ragged(step, cache, q, plan, qsl)

@@ -116,30 +116,31 @@ def test_head_chunks_rejects_other_counts(chunk, head_dim):
 @pytest.mark.parametrize(
     "rows, head_dim, records, expected",
     [
-        # Up to 16 rows: all rows, columns for about one program per SM, 2048 elements a step.
-        (16, 128, 1, (16, 16, 8)),  # one record: 8 programs of 16 columns
-        (16, 128, 16, (16, 16, 8)),
-        (16, 128, 64, (16, 32, 4)),  # 64 x 4 programs
-        (16, 128, 128, (16, 64, 2)),
-        (16, 128, 256, (16, 128, 1)),  # one program a record
-        (9, 64, 3, (16, 16, 8)),
-        (8, 128, 5, (8, 16, 16)),
-        (8, 128, 132, (8, 128, 2)),
-        (16, 256, 256, (16, 128, 1)),  # at most 2048 elements a step
-        (1, 64, 1, (1, 16, 64)),  # MQA, one row
+        # Up to 16 rows: all rows, columns for about one program per SM, 2048 elements a step;
+        # up to 8 records, runs of a record's partials while the programs fit one an SM.
+        (16, 128, 1, (16, 16, 8, 16)),  # one record: 8 programs of 16 columns x 16 runs
+        (16, 128, 16, (16, 16, 8, 1)),
+        (16, 128, 64, (16, 32, 4, 1)),  # 64 x 4 programs
+        (16, 128, 128, (16, 64, 2, 1)),
+        (16, 128, 256, (16, 128, 1, 1)),  # one program a record
+        (9, 64, 3, (16, 16, 8, 8)),  # 3 x 4 programs x 8 runs
+        (8, 128, 5, (8, 16, 16, 2)),  # 5 x 8 programs x 2 runs
+        (8, 128, 132, (8, 128, 2, 1)),
+        (16, 256, 256, (16, 128, 1, 1)),  # at most 2048 elements a step
+        (1, 64, 1, (1, 16, 64, 16)),  # MQA, one row
         # More rows: about one program per SM, at most 2048 elements a step.
-        (64, 128, 1, (16, 16, 8)),  # one long sequence: rows split, 16 columns
-        (64, 128, 16, (16, 16, 8)),
-        (64, 128, 64, (64, 32, 1)),  # many records: all rows, 32 columns
-        (64, 128, 128, (64, 32, 1)),  # (64 columns would be 4096 elements)
-        (32, 128, 256, (32, 64, 1)),
-        (128, 128, 132, (128, 16, 1)),
+        (64, 128, 1, (16, 16, 8, 4)),  # one long sequence: rows split, 16 columns, 4 runs
+        (64, 128, 16, (16, 16, 8, 1)),
+        (64, 128, 64, (64, 32, 1, 1)),  # many records: all rows, 32 columns
+        (64, 128, 128, (64, 32, 1, 1)),  # (64 columns would be 4096 elements)
+        (32, 128, 256, (32, 64, 1, 1)),
+        (128, 128, 132, (128, 16, 1, 1)),
     ],
 )
 def test_reduce_launch_config(rows, head_dim, records, expected):
     red = reduce_launch_config(rows=rows, head_dim=head_dim, records=records, sm_count=132)
-    assert (red.block_r, red.block_d, red.slot_block) == expected
-    assert red.check(head_dim) is red
+    assert (red.block_r, red.block_d, red.slot_block, red.groups) == expected
+    assert red.check(head_dim, rows) is red
 
 
 @pytest.mark.parametrize(
@@ -150,7 +151,7 @@ def test_invariant_reduce_config_is_fixed(rows, head_dim, expected):
     # One tile for every batch size and device: 16 columns a program up to 16 rows (up to 16
     # chunks merge in two steps); more rows, the tile for one record on a single SM.
     red = invariant_reduce_config(rows=rows, head_dim=head_dim)
-    assert (red.block_r, red.block_d, red.slot_block) == expected
+    assert (red.block_r, red.block_d, red.slot_block, red.groups) == (*expected, 1)
 
 
 @pytest.mark.parametrize(
@@ -160,11 +161,15 @@ def test_invariant_reduce_config_is_fixed(rows, head_dim, expected):
         ReduceLaunchConfig(block_r=4, block_d=256, slot_block=4),
         ReduceLaunchConfig(block_r=4, block_d=16, slot_block=0),
         ReduceLaunchConfig(block_r=4, block_d=24, slot_block=4),
+        ReduceLaunchConfig(block_r=16, block_d=16, slot_block=4, groups=3),
+        ReduceLaunchConfig(block_r=16, block_d=16, slot_block=4, groups=32),
+        ReduceLaunchConfig(block_r=8, block_d=16, slot_block=4, groups=2),  # rows 16: 16 rows
+        ReduceLaunchConfig(block_r=16, block_d=8, slot_block=4, groups=2),
     ],
 )
 def test_reduce_launch_config_rejects_bad_tiles(config):
     with pytest.raises(ValueError, match=r"launch_config\.reduce"):
-        config.check(128)
+        config.check(128, rows=16)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from ._kernels.reduce import _reduce_kernel
 from ._kernels.schedule import _schedule_invariant_kernel, _schedule_kernel
 from .launch import (
     DEFAULT_PARTITION,
+    REDUCE_RUN_RECORDS,
     DecodeLaunchConfig,
     ReduceLaunchConfig,
     ScheduleLaunchConfig,
@@ -37,7 +38,7 @@ from .launch import (
     schedule_launch,
     sm_count,
 )
-from .plan import DecodePlan, allocate_plan
+from .plan import DecodePlan, allocate_plan, run_slots
 from .tuning.table import TuningKey, lookup_grid
 
 LOG2E = 1.4426950408889634
@@ -1087,15 +1088,25 @@ def reduce_partials(
             records=plan.max_reduces,
             sm_count=sm_count(out.device),
         )
-    red.check(plan.head_dim)
+    red.check(plan.head_dim, rows)
+    row_blocks, col_blocks = -(-rows // red.block_r), plan.head_dim // red.block_d
+    if red.groups > 1 and not run_slots(plan.max_reduces, plan.batch_invariant):
+        raise ValueError(
+            f"launch_config.reduce: groups={red.groups} needs a plan of at most "
+            f"{REDUCE_RUN_RECORDS} records that is not batch-invariant (it keeps the runs' "
+            f"partials), got one of {plan.max_reduces} records"
+            + (", batch-invariant" if plan.batch_invariant else "")
+        )
     pdl = pdl_enabled(out.device)
     _launch_reduce(
-        (plan.max_reduces, -(-rows // red.block_r), plan.head_dim // red.block_d),
+        (plan.max_reduces * red.groups, row_blocks, col_blocks),
         (
             plan.metadata,
             plan.reduces_offset,
+            plan.run_counts_offset,
             plan.partials,
             plan.lse_offset,
+            plan.run_slot,
             out,
             out.stride(0),
             out.stride(1),
@@ -1115,6 +1126,7 @@ def reduce_partials(
         BLOCK_D=red.block_d,
         SLOT_BLOCK=red.slot_block,
         NUM_STAGES=red.num_stages,
+        GROUPS=red.groups,
         WRITE_LSE=lse is not None,
         HAS_SINKS=sinks is not None,
         RAGGED=plan.ragged,

@@ -25,6 +25,10 @@ SMALL_ROWS_GRID_MULTIPLIER = 4
 SMALL_ROWS = 16  # query rows per kv head (query_len x group) served by the small-row config
 # Partial elements (rows x columns x partials) a reducer program merges per step at most.
 REDUCE_STEP_ELEMENTS = 2048
+# Plans of at most REDUCE_RUN_RECORDS cut sequences keep scratch for REDUCE_RUNS runs a
+# record (``ReduceLaunchConfig.groups``): a record's partials merged by up to that many programs.
+REDUCE_RUN_RECORDS = 8
+REDUCE_RUNS = 16
 # Programs-per-SM stand-in when running through the interpreter on CPU: small, so CI is fast.
 CPU_SM_COUNT = 4
 
@@ -33,23 +37,37 @@ CPU_SM_COUNT = 4
 class ReduceLaunchConfig:
     """Tile of the split reducer: one program merges ``block_r`` rows x ``block_d`` columns of
     one cut sequence's partials, ``slot_block`` partials per step (``num_stages`` > 1
-    pipelines the steps' loads)."""
+    pipelines the steps' loads). ``groups`` > 1: a record's partials are cut into up to that
+    many runs of whole steps, each merged by its own program, and the runs then merged by
+    the last of them to finish (a plan of at most ``REDUCE_RUN_RECORDS`` records; tiles of at
+    least 16 columns and min(16, rows) rows)."""
 
     block_r: int
     block_d: int
     slot_block: int
     num_stages: int = 1
     num_warps: int = 4
+    groups: int = 1
 
-    def check(self, head_dim: int) -> ReduceLaunchConfig:
+    def check(self, head_dim: int, rows: int = 1) -> ReduceLaunchConfig:
         """Returns itself after checking that its sizes are powers of two that suit
-        ``head_dim``; raises ValueError otherwise."""
-        sizes = dict(block_r=self.block_r, block_d=self.block_d, slot_block=self.slot_block)
+        ``head_dim`` and ``rows`` (with runs: at most ``REDUCE_RUNS``, tiles of at least 16
+        columns and min(16, rows) rows); raises ValueError otherwise."""
+        sizes = dict(
+            block_r=self.block_r, block_d=self.block_d, slot_block=self.slot_block,
+            groups=self.groups,
+        )  # fmt: skip
         bad = {k: v for k, v in sizes.items() if v < 1 or v & (v - 1)}
-        if bad or head_dim % self.block_d:
+        runs_bad = self.groups > 1 and (
+            self.groups > REDUCE_RUNS
+            or self.block_d < 16
+            or self.block_r < min(16, next_power_of_2(rows))
+        )
+        if bad or runs_bad or head_dim % self.block_d:
             raise ValueError(
                 f"launch_config.reduce: expected powers of two with block_d dividing "
-                f"head_dim={head_dim}, got {sizes}"
+                f"head_dim={head_dim}; groups > 1 only up to {REDUCE_RUNS}, with block_d >= 16 "
+                f"and block_r >= min(16, rows={rows}); got {sizes}"
             )
         return self
 
@@ -178,7 +196,15 @@ def reduce_launch_config(
     while block_r * block_d > REDUCE_STEP_ELEMENTS and block_d > 16:
         block_d //= 2
     slot_block = max(1, min(64, REDUCE_STEP_ELEMENTS // (block_r * block_d)))
-    return ReduceLaunchConfig(block_r=block_r, block_d=block_d, slot_block=slot_block)
+    # Few records: runs while the programs still fit about one an SM.
+    groups = 1
+    if records <= REDUCE_RUN_RECORDS:
+        per_record = -(-rows // block_r) * (head_dim // block_d)
+        while groups < REDUCE_RUNS and records * per_record * groups * 2 <= sm_count:
+            groups *= 2
+    return ReduceLaunchConfig(
+        block_r=block_r, block_d=block_d, slot_block=slot_block, groups=groups
+    )
 
 
 def invariant_reduce_config(*, rows: int, head_dim: int) -> ReduceLaunchConfig:
@@ -188,10 +214,10 @@ def invariant_reduce_config(*, rows: int, head_dim: int) -> ReduceLaunchConfig:
     ``head_dim / 16`` programs (so up to 16 chunks merge in two steps), more rows on a
     single SM."""
     if rows <= SMALL_ROWS:
-        return reduce_launch_config(
-            rows=rows, head_dim=head_dim, records=1, sm_count=head_dim // 16
-        )
-    return reduce_launch_config(rows=rows, head_dim=head_dim, records=1, sm_count=1)
+        red = reduce_launch_config(rows=rows, head_dim=head_dim, records=1, sm_count=head_dim // 16)
+    else:
+        red = reduce_launch_config(rows=rows, head_dim=head_dim, records=1, sm_count=1)
+    return dataclasses.replace(red, groups=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,10 @@ Record layouts (int32, all views of one buffer ``plan.metadata``):
     Each sequence's query rows ``(start, end)`` as the scheduler found them in
     ``query_start_loc``, or ``(-1, -1)`` where they are no valid range (a fault); the kernels
     compare them with the ones they are given.
+``run_counts[...]`` (a plan with run slots only, see below)
+    The reducer's arrival counts (:func:`run_counts`), zero between launches: zeroed when the
+    plan is allocated, and each put back to 0 by the reducer program that counts the last
+    arrival.
 
 Every sequence has at least one partition: a padding slot (length 0) or an invalid length
 counts as one partition of no tokens, whose work writes zeros (padding) or NaN (invalid).
@@ -43,7 +47,9 @@ head, a partial per chunk when there are several, whatever the batch and the gri
 
 Partial buffers (float32): ``partial_out[max_partials, query_len * group, head_dim]`` and
 ``partial_lse[max_partials, query_len * group]`` (LSE in log2 units; -inf for a row that saw
-no key in its range, which causal masking or a sliding window can cause).
+no key in its range, which causal masking or a sliding window can cause). The scheduler's
+slots come first; a plan of few records (:func:`run_slots`) keeps ``REDUCE_RUNS`` more a
+record from ``run_slot`` on, where the reducer merges runs of a record's partials.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import torch
 
 from ._kernels import records, schedule
 from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN, AUTO_WHOLE_MAX_LEN
+from .launch import REDUCE_RUN_RECORDS, REDUCE_RUNS, next_power_of_2
 
 WORK_FIELDS = records.WORK_FIELDS.value
 REDUCE_FIELDS = records.REDUCE_FIELDS.value
@@ -102,9 +109,27 @@ def plan_sizes(
     per_head = num_programs // num_kv_heads
     boundaries = per_head - 1
     max_works = num_kv_heads * (batch + boundaries)
-    max_partials = num_kv_heads * 2 * boundaries
     max_reduces = num_kv_heads * min(batch, boundaries)
+    max_partials = num_kv_heads * 2 * boundaries + run_slots(max_reduces, batch_invariant)
     return max_works, max_partials, max_reduces
+
+
+def run_slots(max_reduces: int, batch_invariant: bool) -> int:
+    """Partial slots a plan keeps after the scheduler's for the reducer's runs
+    (``ReduceLaunchConfig.groups``): ``REDUCE_RUNS`` a record where the plan has at most
+    ``REDUCE_RUN_RECORDS`` records (a batch-invariant plan's merge order is fixed: none)."""
+    if batch_invariant or max_reduces > REDUCE_RUN_RECORDS:
+        return 0
+    return max_reduces * REDUCE_RUNS
+
+
+def run_counts(max_reduces: int, rows: int, head_dim: int, batch_invariant: bool) -> int:
+    """Arrival counts a plan with run slots keeps in its metadata: one a record and reducer
+    tile of at least min(16, rows) rows x 16 columns."""
+    if not run_slots(max_reduces, batch_invariant):
+        return 0
+    block_r = min(16, next_power_of_2(rows))
+    return max_reduces * -(-rows // block_r) * -(-head_dim // 16)
 
 
 @dataclasses.dataclass
@@ -213,9 +238,20 @@ class DecodePlan:
         return self.faults_offset + self.batch
 
     @property
+    def run_counts_offset(self) -> int:
+        """Element offset of the reducer's arrival counts (see :func:`run_counts`)."""
+        return self.planned_rows_offset + (ROWS_FIELDS * self.batch if self.ragged else 0)
+
+    @property
+    def run_slot(self) -> int:
+        """The first partial slot of the reducer's runs (see :func:`run_slots`)."""
+        return self.max_partials - run_slots(self.max_reduces, self.batch_invariant)
+
+    @property
     def metadata_size(self) -> int:
         """Elements of ``metadata``."""
-        return self.planned_rows_offset + (ROWS_FIELDS * self.batch if self.ragged else 0)
+        counts = run_counts(self.max_reduces, self.rows, self.head_dim, self.batch_invariant)
+        return self.run_counts_offset + counts
 
     @property
     def max_seq_len(self) -> int:
@@ -344,9 +380,12 @@ def allocate_plan(
     if ragged:
         n_meta += ROWS_FIELDS * batch
     rows = query_len * (num_q_heads // num_kv_heads)
+    n_counts = run_counts(max_reduces, rows, head_dim, batch_invariant)
     n_partials = max_partials * rows * (head_dim + 1)
-    metadata = torch.empty(n_meta, dtype=torch.int32, device=device)
+    metadata = torch.empty(n_meta + n_counts, dtype=torch.int32, device=device)
     partials = torch.empty(n_partials, dtype=torch.float32, device=device)
+    if n_counts:
+        metadata[n_meta:].zero_()  # the reducer's arrival counts start at 0
     # What torch._dynamo.mark_static_address(t, guard=False) sets (without importing Dynamo
     # into every process): the buffers live as long as the plan, like a module's parameters,
     # so torch.compile(mode="reduce-overhead") replays its CUDA graph on them in place (the
