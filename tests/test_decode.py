@@ -355,6 +355,14 @@ def test_reduce_runs_leave_counts_at_zero(gen):
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert rel_error(outs[0], paged_decode_torch(*args)) < tolerance(case.kv_dtype, q.dtype)
+    # With sinks, the runs' merge starts from the sink (once a row, whatever the runs).
+    sinks = (2 * torch.randn(case.num_q_heads, generator=gen, device=DEVICE)).float()
+    out, lse = pagedattn.paged_decode(
+        *args, plan=plan, sinks=sinks, return_lse=True, launch_config=case.launch
+    )
+    ref, ref_lse = paged_decode_torch(*args, sinks=sinks, return_lse=True)
+    assert rel_error(out, ref) < tolerance(case.kv_dtype, q.dtype)
+    assert rel_error(lse, ref_lse) < 1e-5 and not counts.any()
 
 
 def _small_fp8_cache(lens, kv_scale, gen):

@@ -92,37 +92,17 @@ def _merge_slots(
 
 
 @triton.jit
-def _merge_record(
-    partial_out_ptr,
-    partial_lse_ptr,
-    first_slot,
-    num_slots,
-    sinks_ptr,
-    head,
-    offs_r,
-    offs_d,
-    row_ok,
-    ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SLOT_BLOCK: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    CACHE: tl.constexpr,
-):
-    """A record's whole merge: from the sink (``HAS_SINKS``: a first partial of weight
-    ``exp(sink)`` and no value; -inf: no sink) or from nothing, over the given partials."""
+def _start_state(sinks_ptr, head, row_ok, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """A record's merge state before its first partial (row maximum, weight sum; log2 units):
+    the sink (``HAS_SINKS``: a first partial of weight ``exp(sink)`` and no value; -inf: no
+    sink) or nothing."""
     if HAS_SINKS:
         m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * LOG2E
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     else:
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
-    return _merge_slots(
-        partial_out_ptr, partial_lse_ptr, first_slot, num_slots, m_i, l_i, offs_r, offs_d,
-        row_ok, ROWS, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, CACHE,
-    )  # fmt: skip
+    return m_i, l_i
 
 
 @triton.jit
@@ -223,12 +203,11 @@ def _reduce_kernel(
         head = kv_head * GROUP + offs_r % GROUP
         if split:
             start = run * run_slots
+            m_i, l_i = _start_state(sinks_ptr, head, row_ok, BLOCK_R, False)
             m_i, l_i, acc = _merge_slots(
                 partial_out_ptr, partial_lse_ptr, first_slot + start,
-                tl.minimum(run_slots, num_slots - start),
-                tl.full([BLOCK_R], float("-inf"), tl.float32), tl.zeros([BLOCK_R], tl.float32),
-                offs_r, offs_d, row_ok, ROWS, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK,
-                NUM_STAGES, "",
+                tl.minimum(run_slots, num_slots - start), m_i, l_i, offs_r, offs_d, row_ok,
+                ROWS, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, "",
             )  # fmt: skip
             # The run as a partial: its LSE (-inf for rows that saw no key, NaN where a
             # faulty partial made the run NaN) and its rows normalised. Every column block
@@ -252,20 +231,21 @@ def _reduce_kernel(
             count = metadata_ptr + counts_offset + tile + tl.program_id(2)
             if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == runs - 1:
                 tl.store(count, 0)  # ready for the next launch
-                m_i, l_i, acc = _merge_record(
-                    partial_out_ptr, partial_lse_ptr, merge_slot + record * GROUPS, runs,
-                    sinks_ptr, head, offs_r, offs_d, row_ok, ROWS, HEAD_DIM, BLOCK_R, BLOCK_D,
-                    SLOT_BLOCK, NUM_STAGES, HAS_SINKS, ".cg",
+                m_i, l_i = _start_state(sinks_ptr, head, row_ok, BLOCK_R, HAS_SINKS)
+                m_i, l_i, acc = _merge_slots(
+                    partial_out_ptr, partial_lse_ptr, merge_slot + record * GROUPS, runs, m_i,
+                    l_i, offs_r, offs_d, row_ok, ROWS, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK,
+                    NUM_STAGES, ".cg",
                 )  # fmt: skip
                 _store_result(
                     m_i, l_i, acc, out_ptr, stride_o_tok, stride_o_head, lse_ptr,
                     stride_lse_tok, tok, head, offs_d, row_ok, d0, WRITE_LSE,
                 )  # fmt: skip
         else:
-            m_i, l_i, acc = _merge_record(
-                partial_out_ptr, partial_lse_ptr, first_slot, num_slots, sinks_ptr, head,
-                offs_r, offs_d, row_ok, ROWS, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK,
-                NUM_STAGES, HAS_SINKS, "",
+            m_i, l_i = _start_state(sinks_ptr, head, row_ok, BLOCK_R, HAS_SINKS)
+            m_i, l_i, acc = _merge_slots(
+                partial_out_ptr, partial_lse_ptr, first_slot, num_slots, m_i, l_i, offs_r,
+                offs_d, row_ok, ROWS, HEAD_DIM, BLOCK_R, BLOCK_D, SLOT_BLOCK, NUM_STAGES, "",
             )  # fmt: skip
             _store_result(
                 m_i, l_i, acc, out_ptr, stride_o_tok, stride_o_head, lse_ptr,
