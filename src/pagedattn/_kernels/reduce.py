@@ -16,7 +16,8 @@ and tile in the plan's metadata, ``counts_offset``, which that program puts back
 merges those in run order. Which program merges depends on timing; what is merged, and in
 which order, does not. A record whose runs would not shorten its chain of steps by more than
 their own cost (a write, an arrival and a merge) is merged whole by its first program, as
-with ``GROUPS`` = 1, and its other programs leave without waiting for the decode grid. The
+with ``GROUPS`` = 1, and its other programs leave without waiting for the decode grid (the
+grid's first program always waits, so this grid never ends before the decode grid). The
 order of every float32 operation depends only on the plan and the tile, so repeated runs
 over the same inputs and plan give identical bits.
 
@@ -177,12 +178,15 @@ def _reduce_kernel(
         busy = busy & ((run == 0) | (split & (run < runs)))
     else:
         split = False
-    if busy:
-        if GROUPS > 1:
-            # The record is the scheduler's, visible before the decode grid's results (this
-            # grid's programs start only once every decode program has waited for the
-            # scheduler): programs with no run to merge have left without waiting.
+    if GROUPS > 1:
+        # The record is the scheduler's, visible before the decode grid's results (this
+        # grid's programs start only once every decode program has waited for the
+        # scheduler): programs with nothing to merge leave without waiting, but the first
+        # waits in any case, so this grid never ends before the decode grid.
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
+        if busy | first:
             grid_dependency(PDL, False)
+    if busy:
         kv_head = tl.sum(tl.where(fields == REDUCE_KV_HEAD, rec, 0), axis=0)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         d0 = tl.program_id(2) * BLOCK_D
