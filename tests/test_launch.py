@@ -1,5 +1,11 @@
 """Launch defaults of the decode kernel (grid multiplier, tile config, head_dim chunks)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import DEVICE, ON_GPU
@@ -152,6 +158,71 @@ def test_invariant_reduce_config_is_fixed(rows, head_dim, expected):
     # chunks merge in two steps); more rows, the tile for one record on a single SM.
     red = invariant_reduce_config(rows=rows, head_dim=head_dim)
     assert (red.block_r, red.block_d, red.slot_block, red.groups) == (*expected, 1)
+
+
+_BUILD_REDUCER = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from pagedattn._kernels.reduce import _reduce_kernel
+from pagedattn.launch import invariant_reduce_config, reduce_launch_config
+
+pointers = dict(
+    metadata_ptr="*i32", partial_out_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32",
+    query_start_loc_ptr="*i32", sinks_ptr="*fp32",
+)
+results = []
+for rows, records, sinks, ragged in json.loads(sys.argv[1]):
+    if records is None:
+        red = invariant_reduce_config(rows=rows, head_dim=128)
+    else:
+        red = reduce_launch_config(rows=rows, head_dim=128, records=records, sm_count=132)
+    constexprs = dict(
+        QUERY_LEN=rows // 8, GROUP=8, HEAD_DIM=128, BLOCK_R=red.block_r, BLOCK_D=red.block_d,
+        SLOT_BLOCK=red.slot_block, NUM_STAGES=red.num_stages, GROUPS=red.groups,
+        WRITE_LSE=True, HAS_SINKS=sinks, RAGGED=ragged, PDL=True,
+    )
+    signature = {
+        name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+        for name in _reduce_kernel.arg_names
+    }
+    source = triton.compiler.ASTSource(_reduce_kernel, signature, constexprs=constexprs)
+    built = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": red.num_warps}
+    )
+    results.append(dict(groups=red.groups, atomics="atom." in built.asm["ptx"]))
+print(json.dumps(results))
+"""
+
+
+def test_reducer_builds_for_sm90a():
+    # The compiled reducer, not the interpreter (which runs only the branch taken, as Python):
+    # built on the CPU for sm_90a as launches build it, with runs (one record) and without
+    # (many records; None: a batch-invariant plan's tile), each with and without sinks and
+    # ragged rows.
+    cases = [
+        (rows, records, sinks, ragged)
+        for rows, records in [(8, 1), (64, 1), (8, 132), (64, None)]
+        for sinks in (False, True)
+        for ragged in (False, True)
+    ]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    src = str(Path(pagedattn.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", _BUILD_REDUCER, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(run.stdout)
+    assert len(results) == len(cases)
+    for (rows, records, sinks, ragged), r in zip(cases, results, strict=True):
+        # Runs (one record) count arrivals with an atomic; tiles without runs have none.
+        assert (r["groups"] > 1) == (records == 1), (rows, records, r)
+        assert r["atomics"] == (r["groups"] > 1), (rows, records, sinks, ragged, r)
 
 
 @pytest.mark.parametrize(

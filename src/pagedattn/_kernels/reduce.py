@@ -177,7 +177,8 @@ def _reduce_kernel(
         split = (runs > 1) & (steps < tl.cdiv(num_slots, SLOT_BLOCK))
         busy = busy & ((run == 0) | (split & (run < runs)))
     else:
-        split = False
+        # A constant: a plain False would be a tensor here, and the runs' branch compiled.
+        split: tl.constexpr = False
     if GROUPS > 1:
         # The record is the scheduler's, visible before the decode grid's results (this
         # grid's programs start only once every decode program has waited for the
