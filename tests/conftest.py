@@ -5,8 +5,11 @@ made before Triton is imported, hence here.
 """
 
 import os
+import subprocess
+import sys
 import types
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -71,3 +74,19 @@ def tuning_tables(tmp_path, monkeypatch):
     tuning.clear_cache()
     yield types.SimpleNamespace(user=user, shipped=configs / "nvidia_h200.csv", tmp=tmp_path)
     tuning.clear_cache()
+
+
+def run_compiled(code: str, *args: str) -> str:
+    """Runs ``code`` in a fresh Python with Triton's interpreter off (builds of the kernels for
+    a GPU target, on any machine) and this checkout's ``pagedattn`` on its path; returns its
+    stdout, failing the test with its stderr if it fails."""
+    import pagedattn
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    src = str(Path(pagedattn.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from conftest import DEVICE, requires_gpu
+from conftest import DEVICE, requires_gpu, run_compiled
 
 import pagedattn
 from pagedattn._kernels import records
@@ -154,18 +154,7 @@ print(json.dumps(results))
 
 
 def _build_variants() -> str:
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    src = str(Path(pagedattn.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", _BUILD, json.dumps(VARIANTS)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return run.stdout
+    return run_compiled(_BUILD, json.dumps(VARIANTS))
 
 
 # Session-scoped: the worker that runs the build tests may run other modules' tests between

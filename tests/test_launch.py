@@ -1,14 +1,10 @@
 """Launch defaults of the decode kernel (grid multiplier, tile config, head_dim chunks)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, run_compiled
 
 import pagedattn
 from pagedattn.launch import (
@@ -206,18 +202,7 @@ def test_reducer_builds_for_sm90a():
         for sinks in (False, True)
         for ragged in (False, True)
     ]
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    src = str(Path(pagedattn.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", _BUILD_REDUCER, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = json.loads(run.stdout)
+    results = json.loads(run_compiled(_BUILD_REDUCER, json.dumps(cases)))
     assert len(results) == len(cases)
     for (rows, records, sinks, ragged), r in zip(cases, results, strict=True):
         # Runs (one record) count arrivals with an atomic; tiles without runs have none.
