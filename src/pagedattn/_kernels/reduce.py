@@ -176,10 +176,6 @@ def _reduce_kernel(
         steps = tl.cdiv(run_slots, SLOT_BLOCK) + tl.cdiv(runs, SLOT_BLOCK) + 2
         split = (runs > 1) & (steps < tl.cdiv(num_slots, SLOT_BLOCK))
         busy = busy & ((run == 0) | (split & (run < runs)))
-    else:
-        # A constant: a plain False would be a tensor here, and the runs' branch compiled.
-        split: tl.constexpr = False
-    if GROUPS > 1:
         # The record is the scheduler's, visible before the decode grid's results (this
         # grid's programs start only once every decode program has waited for the
         # scheduler): programs with nothing to merge leave without waiting, but the first
@@ -187,6 +183,9 @@ def _reduce_kernel(
         first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
         if busy | first:
             grid_dependency(PDL, False)
+    else:
+        # A constant: a plain False would be a tensor here, and the runs' branch compiled.
+        split: tl.constexpr = False
     if busy:
         kv_head = tl.sum(tl.where(fields == REDUCE_KV_HEAD, rec, 0), axis=0)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
