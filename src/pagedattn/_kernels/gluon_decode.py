@@ -373,35 +373,47 @@ def _softmax(
 
 
 @gluon.jit
+def _tile_page_ids(bt_row, stride_bt_col, start, token_end, offs_pg, PAGE_SIZE: gl.constexpr):
+    """The page ids of the tile at ``start``, for its per-token scales' addresses: the tile's
+    one, or one a token of a gathered tile (``offs_pg``); 0 past the work's end, which is
+    not read (the block table's columns end there at the latest)."""
+    BLOCK: gl.constexpr = offs_pg.shape[0]
+    if PAGE_SIZE >= BLOCK:
+        ids = gl.load(bt_row + (start // PAGE_SIZE) * stride_bt_col, mask=start < token_end)
+    else:
+        tok = start + offs_pg
+        ids = gl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col, mask=tok < token_end, other=0)
+    return ids
+
+
+@gluon.jit
 def _token_scales(
-    k_scale_ptr,
-    stride_ks_page,
-    stride_ks_slot,
-    stride_ks_head,
-    v_scale_ptr,
-    stride_vs_page,
-    stride_vs_slot,
-    stride_vs_head,
-    page,
-    tok,
-    kv_head,
-    PAGE_SIZE: gl.constexpr,
+    at, ids, start, PAGE_SIZE: gl.constexpr, TRANSPOSED: gl.constexpr, tok_l: gl.constexpr
 ):
-    """The per-token K and V scales of the tile's tokens ``tok`` (``page``: the tile's page, or
-    each token's; 0 past the work's end, where ``page`` is -1)."""
+    """The per-token K and V scales of the tile at ``start`` from its page ids (see
+    :func:`_tile_page_ids`; an id outside [0, num_pages) reads page 0's): in the transposed
+    form where the scores hold its tokens (``offs_s``), else one token a thread
+    (``offs_pg``); 0 past the work's end. ``at``: the scales of the work's kv head (K's
+    pointer, page and slot strides, then V's), the work's end, ``num_pages``, ``offs_s`` and
+    ``offs_pg``."""
+    k_ptr, k_page, k_slot, v_ptr, v_page, v_slot, token_end, num_pages, offs_s, offs_pg = at
+    BLOCK: gl.constexpr = offs_pg.shape[0]
+    page = _clamped_page(ids, num_pages)
+    if TRANSPOSED:
+        tok = start + offs_s
+    else:
+        tok = start + offs_pg
+    if PAGE_SIZE < BLOCK and TRANSPOSED:
+        # Each token's page, from the gathered tile's one-a-thread layout.
+        tok_pg = start + offs_pg
+        page = gl.convert_layout(gl.where(tok_pg < token_end, page, -1), tok_l)
+    else:
+        page = gl.where(tok < token_end, page, -1)
     ok = page >= 0
     page = gl.maximum(page, 0).to(gl.int64)
     in_page = (tok % PAGE_SIZE).to(gl.int64)
-    ks = gl.load(
-        k_scale_ptr + page * stride_ks_page + in_page * stride_ks_slot + kv_head * stride_ks_head,
-        mask=ok,
-        other=0.0,
-    )
-    vs = gl.load(
-        v_scale_ptr + page * stride_vs_page + in_page * stride_vs_slot + kv_head * stride_vs_head,
-        mask=ok,
-        other=0.0,
-    )
+    ks = gl.load(k_ptr + page * k_page + in_page * k_slot, mask=ok, other=0.0)
+    vs = gl.load(v_ptr + page * v_page + in_page * v_slot, mask=ok, other=0.0)
     return ks, vs
 
 
@@ -827,6 +839,11 @@ def _compute_partition(
     # scales, all of it made ptxas spill 12 accesses a work, which cost ~2 µs a step in
     # `scripts/gpu_check.sh ab_multi`, 64 x 8192 page 16), else all.
     V_PART: gl.constexpr = BLOCK // 2 if PAGE_SIZE < BLOCK else BLOCK
+    # Per-token scales loaded a tile ahead on gathered tiles, where they wait on the tile's
+    # page ids: 0.93-0.96x the step at 128 x 8192 / 32768 (`ab_multi`, page 16). On whole
+    # pages they are loaded at the tile's top: ahead, 16 x 8192 query_len 1 took 1.05x and
+    # the rows form 1.06-1.09x (docs/performance-log.md, "Per-token scales a tile ahead").
+    SCALES_AHEAD: gl.constexpr = PAGE_SIZE < BLOCK
     tok_l: gl.constexpr = gl.SliceLayout(ROW_AXIS, s_l)
     row_l: gl.constexpr = gl.SliceLayout(TOK_AXIS, s_l)
     # 16 values of head_dim a thread, 128 columns a warp (64 with head_dim 64).
@@ -900,9 +917,28 @@ def _compute_partition(
             l_acc = gl.zeros([R], gl.float32, layout=row_l)
             o = gl.zeros([R, D], gl.float32, layout=o_l)
         v_norm = 1.0
-        if PAGE_SIZE >= BLOCK and SCALE_MODE == 2:
-            # A tile's page id (for its scales) is loaded during the tile before.
-            nxt_id = gl.load(bt_row + (token_start // PAGE_SIZE) * stride_bt_col, mask=n_tiles > 0)
+        if SCALE_MODE == 2:
+            # Per-token scales: this warpgroup reads the page ids too, for the scales'
+            # addresses, a tile before the scales. With SCALES_AHEAD the scales come a tile
+            # before the one that uses them as well (so the ids two), else at its top.
+            ids = _tile_page_ids(bt_row, stride_bt_col, token_start, token_end, offs_pg, PAGE_SIZE)
+            at = (
+                k_scale_ptr + kv_head * stride_ks_head,
+                stride_ks_page,
+                stride_ks_slot,
+                v_scale_ptr + kv_head * stride_vs_head,
+                stride_vs_page,
+                stride_vs_slot,
+                token_end,
+                num_pages,
+                offs_s,
+                offs_pg,
+            )
+            if SCALES_AHEAD:
+                ks_next, vs_next = _token_scales(at, ids, token_start, PAGE_SIZE, TRANSPOSED, tok_l)
+                ids = _tile_page_ids(
+                    bt_row, stride_bt_col, token_start + BLOCK, token_end, offs_pg, PAGE_SIZE
+                )
         for i in range(n_tiles):
             g = it + i
             buf = g % STAGES
@@ -910,46 +946,16 @@ def _compute_partition(
             start = token_start + i * BLOCK
             tok = start + offs_s
             if SCALE_MODE == 2:
-                # Per-token scales: this warpgroup reads the ids too, for the scales' address.
-                if PAGE_SIZE >= BLOCK:
-                    page_id = nxt_id
-                    nxt_id = gl.load(
-                        bt_row + ((start + BLOCK) // PAGE_SIZE) * stride_bt_col,
-                        mask=i + 1 < n_tiles,
+                if SCALES_AHEAD:
+                    ks = ks_next
+                    vs = vs_next
+                    ks_next, vs_next = _token_scales(
+                        at, ids, start + BLOCK, PAGE_SIZE, TRANSPOSED, tok_l
                     )
                 else:
-                    tok_pg = start + offs_pg
-                    page_id = gl.load(
-                        bt_row + (tok_pg // PAGE_SIZE) * stride_bt_col,
-                        mask=tok_pg < token_end,
-                        other=0,
-                    )
-                page = _clamped_page(page_id, num_pages)
-                # The transposed form holds 4 tokens a thread: loaded where used. The other
-                # holds 32, so they are loaded one a thread and moved over when needed.
-                if TRANSPOSED:
-                    sc_tok = tok
-                else:
-                    sc_tok = start + offs_pg
-                if PAGE_SIZE < BLOCK and TRANSPOSED:
-                    # Each token's page, from the gathered tile's one-a-thread layout.
-                    tok_page = gl.convert_layout(gl.where(tok_pg < token_end, page, -1), tok_l)
-                else:
-                    tok_page = gl.where(sc_tok < token_end, page, -1)
-                ks, vs = _token_scales(
-                    k_scale_ptr,
-                    stride_ks_page,
-                    stride_ks_slot,
-                    stride_ks_head,
-                    v_scale_ptr,
-                    stride_vs_page,
-                    stride_vs_slot,
-                    stride_vs_head,
-                    tok_page,
-                    sc_tok,
-                    kv_head,
-                    PAGE_SIZE,
-                )
+                    ks, vs = _token_scales(at, ids, start, PAGE_SIZE, TRANSPOSED, tok_l)
+                ahead = start + (1 + SCALES_AHEAD) * BLOCK
+                ids = _tile_page_ids(bt_row, stride_bt_col, ahead, token_end, offs_pg, PAGE_SIZE)
             else:
                 ks = offs_s
                 vs = offs_s
