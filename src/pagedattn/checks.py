@@ -41,6 +41,16 @@ class DecodeShape(NamedTuple):
     kv_scale: str | None
 
 
+def tensor_key(x) -> tuple | None:
+    """What a call's fast path compares a tensor argument by: shape, strides, dtype, device and
+    whether its data is 16-byte aligned (kernels specialise on that). ``None`` stays ``None``.
+    Raises ``AttributeError`` for anything else that is not a tensor, which sends the call to
+    its full checks (and their clear error)."""
+    if x is None:
+        return None
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+
+
 def plain_number(x):
     """A numeric scalar of another type (``numpy.float32``, ``numpy.int64``, ...) as the Python
     int or float it stands for, so checks and kernels see plain numbers; bools and anything
