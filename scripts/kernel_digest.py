@@ -1,15 +1,19 @@
-"""Digests of the portable decode kernel's PTX for sm_90a, compiled on the CPU (no GPU: Triton's
-bundled ptxas), one line per variant: name, sha256 of the PTX, registers, spill stores / loads
-(bytes) and shared memory. Two runs print the same lines exactly when the code generated for
+"""Digests of the decode kernels' PTX for sm_90a, compiled on the CPU (no GPU: Triton's bundled
+ptxas), one line per variant: name, sha256 of the PTX, registers, spill stores / loads (bytes)
+and shared memory. Two runs print the same lines exactly when the code generated for
 these variants is the same, so a change meant to leave the kernel as it is can be checked by
 comparing the output before and after it.
 
-    python scripts/kernel_digest.py [-j JOBS] [NAME_SUBSTRING ...] > digests.txt
+    python scripts/kernel_digest.py [-j JOBS] [--family all|portable|hopper] [NAME ...] > out.txt
 
 The variants follow what ``paged_decode`` launches (``launch.decode_launch_config``, the
-arguments of ``api._portable_decode``) for contiguous NHD caches and queries; integer arguments
+arguments of ``pagedattn.families.portable.PortableStep``) for contiguous NHD caches and queries; integer arguments
 are specialised as a launch does (1 as a constant, multiples of 16 as divisible by 16). Line
 info is left out of the PTX, so that moving code within the source changes no digest.
+
+The Hopper (Gluon) kernel's variants, named ``gluon-*``, are those its CPU build tests build
+(``tests/test_gluon.py``), through the same ``compile_sm90a``, plus trace stamps, a PDL launch
+and the tunings those tests leave at their defaults.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import itertools
 import os
 import re
 import sys
 import tempfile
+import unittest.mock
 from concurrent.futures import ProcessPoolExecutor
 
 NUM_KV_HEADS = 8
@@ -131,7 +137,7 @@ def _build(v: Variant):
     import torch
 
     from pagedattn._kernels.decode import _decode_kernel
-    from pagedattn.api import decode_constexprs, decode_tiles
+    from pagedattn.families.portable import decode_constexprs, decode_tiles
     from pagedattn.checks import DecodeShape
     from pagedattn.launch import DecodeLaunchConfig, decode_launch_config
 
@@ -284,16 +290,157 @@ def digest(v: Variant) -> str:
     )
 
 
+# -- the Hopper (Gluon) kernel: variants named gluon-*, built as the CPU build tests build them --
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperVariant:
+    name: str
+    build: tuple  # compile_sm90a's keyword arguments, as (name, value) pairs
+    pdl: bool = False  # launched with programmatic dependent launch (launch_pdl)
+
+
+def _hopper_variant(pdl: bool = False, **build) -> HopperVariant:
+    """A variant named by what it builds: KV (and scales), the form of the MMAs (``t`` for
+    transposed, ``rows``), rows, page size, head_dim, then whatever else differs from the
+    defaults."""
+    kv = build.get("kv_dtype", "float8_e4m3fn")
+    scale = {0: "", 1: "-tensor", 2: "-token"}[build.get("scale_mode", 1)]
+    group, query_len = build["group"], build.get("query_len", 1)
+    transposed = build.get("transposed")
+    if transposed is None:
+        transposed = group * query_len <= 16  # the default form (default_transposed)
+    name = (
+        f"gluon-{'fp8' if kv == 'float8_e4m3fn' else kv}{scale}-{'t' if transposed else 'rows'}"
+        f"-g{group}-q{query_len}-p{build.get('page_size', 1024)}-d{build.get('head_dim', 128)}"
+    )
+    flags = [("lse", "write_lse"), ("window", "window"), ("trace", "trace")]
+    name += "".join(f"-{label}" for label, key in flags if build.get(key))
+    for key, label in (("stages", "stages"), ("half", "half"), ("convert_regs", "conv")):
+        if key in build:
+            name += f"-{label}{build[key]}"
+    if "transposed" in build:
+        name += "-forced"
+    return HopperVariant(name + ("-pdl" if pdl else ""), tuple(sorted(build.items())), pdl)
+
+
+HOPPER_VARIANTS = [
+    # Those of tests/test_gluon.py's CPU build tests (VARIANTS there), in its order.
+    *(
+        _hopper_variant(group=g, scale_mode=m, write_lse=lse)
+        for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
+    ),
+    *(
+        _hopper_variant(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True)
+        for (g, n, p), m in itertools.product(
+            ((4, 4, 1024), (16, 4, 1024), (8, 1, 16), (4, 2, 16), (16, 4, 16), (32, 1, 1024)),
+            (1, 2),
+        )
+    ),
+    _hopper_variant(group=8, page_size=16, window=True, write_lse=True),
+    _hopper_variant(group=16, query_len=4, window=True, scale_mode=2, write_lse=True),
+    *(
+        _hopper_variant(group=g, query_len=n, page_size=p, kv_dtype=t, scale_mode=0, write_lse=True)
+        for g, n, p, t in (
+            (1, 1, 1024, "bfloat16"),
+            (8, 1, 1024, "bfloat16"),
+            (16, 1, 1024, "bfloat16"),
+            (16, 4, 1024, "bfloat16"),
+            (32, 1, 1024, "bfloat16"),
+            (8, 1, 16, "bfloat16"),
+            (8, 1, 16, "float16"),
+            (16, 4, 1024, "float16"),
+        )
+    ),
+    _hopper_variant(
+        group=4, query_len=4, page_size=16, kv_dtype="bfloat16", scale_mode=0, window=True
+    ),
+    *(
+        _hopper_variant(
+            group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True, head_dim=d, **kv
+        )
+        for g, n, p, m, d, kv in (
+            (16, 1, 1024, 1, 64, {}),
+            (16, 4, 16, 2, 64, {}),
+            (8, 1, 16, 1, 64, {}),
+            (16, 4, 1024, 1, 64, {}),
+            (8, 1, 1024, 0, 64, dict(kv_dtype="bfloat16")),
+            (16, 4, 16, 0, 64, dict(kv_dtype="bfloat16")),
+            (16, 1, 1024, 1, 256, {}),
+            (16, 1, 1024, 2, 256, {}),
+            (8, 1, 16, 1, 256, {}),
+            (8, 1, 16, 2, 256, {}),
+        )
+    ),
+    _hopper_variant(group=8, page_size=16, window=True, write_lse=True, head_dim=256),
+    # Launch settings and tunings the tests do not build: trace stamps, PDL (a launch option
+    # only: the kernel always waits for the grid before it), the converter warps' tunings,
+    # three stages, the rows form forced on few rows.
+    _hopper_variant(group=8, trace=True),
+    _hopper_variant(group=16, query_len=4, page_size=16, scale_mode=2, trace=True),
+    _hopper_variant(group=8, pdl=True),
+    _hopper_variant(group=16, query_len=4, scale_mode=2, write_lse=True, pdl=True),
+    _hopper_variant(group=16, query_len=4, half=32),
+    _hopper_variant(group=16, query_len=4, half=32, convert_regs=48),
+    _hopper_variant(group=8, stages=3),
+    _hopper_variant(group=4, query_len=2, transposed=False),
+]
+
+
+def hopper_digest(v: HopperVariant) -> str:
+    """One Hopper variant's line, built by ``compile_sm90a`` (what the CPU build tests build)."""
+    import triton
+    from triton import knobs
+
+    from pagedattn._kernels import gluon_decode
+
+    knobs.compilation.disable_line_info = True
+    knobs.compilation.always_compile = True
+    knobs.nvidia.dump_ptxas_log = True
+    plain = triton.compile
+
+    def compile_fn(src, target=None, options=None):
+        # compile_sm90a builds a plain launch's kernel; a PDL launch adds launch_pdl.
+        return plain(src, target=target, options={**options, "launch_pdl": v.pdl})
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), unittest.mock.patch.object(triton, "compile", compile_fn):
+        compiled = gluon_decode.compile_sm90a(**dict(v.build))
+    assert compiled.metadata.launch_pdl == v.pdl
+    ptx = compiled.asm["ptx"]
+    text = log.getvalue()
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (
+        f"{v.name:54s} ptx={hashlib.sha256(ptx.encode()).hexdigest()} "
+        f"regs={regs.group(1) if regs else '?'} "
+        f"spill={spills.group(1) + '/' + spills.group(2) if spills else '?'} "
+        f"shared={compiled.metadata.shared}"
+    )
+
+
+def _digest_any(v) -> str:
+    return hopper_digest(v) if isinstance(v, HopperVariant) else digest(v)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-j", "--jobs", type=int, default=1, help="compiles at once")
+    parser.add_argument(
+        "--family",
+        choices=("all", "portable", "hopper"),
+        default="all",
+        help="the kernel family's variants (hopper: the Gluon kernel's, named gluon-*)",
+    )
     parser.add_argument("names", nargs="*", help="only variants whose name holds one of these")
     args = parser.parse_args()
-    variants = [v for v in VARIANTS if not args.names or any(n in v.name for n in args.names)]
+    families = {"portable": VARIANTS, "hopper": HOPPER_VARIANTS}
+    chosen = [v for f, vs in families.items() if args.family in ("all", f) for v in vs]
+    variants = [v for v in chosen if not args.names or any(n in v.name for n in args.names)]
     # A private cache: every run compiles, and no other cache is touched.
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_digest_")
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for line in pool.map(digest, variants):
+        for line in pool.map(_digest_any, variants):
             print(line, flush=True)
     sys.exit(0)
 
