@@ -164,6 +164,46 @@ def test_options_outside_the_ops_are_refused_under_compile(gen):
         torch.compile(step, fullgraph=True, backend="eager")(q, *_decode_args(cache))
 
 
+def _append_and_decode(k, v, q, k_cache, v_cache, block_table, seq_lens, slots, k_scale, v_scale):
+    """A layer's step: the new rows into the cache (the op, then the public function, traced
+    as the op), then decode over it."""
+    torch.ops.pagedattn.append_kv(
+        k, v, k_cache, v_cache, slots, "NHD", k_scale, v_scale, "per_token", False
+    )
+    pagedattn.append_kv(
+        v[1:], k[1:], k_cache, v_cache, slots[1:],
+        k_scale=k_scale, v_scale=v_scale, kv_scale="per_token",
+    )  # fmt: skip
+    return pagedattn.paged_decode(
+        q, k_cache, v_cache, block_table, seq_lens, k_scale=k_scale, v_scale=v_scale
+    )
+
+
+def test_append_kv_op_compiles_and_matches_eager(gen):
+    """append_kv as a custom op under torch.compile(fullgraph=True): it writes the caller's
+    caches and scales (bytes as eager), before the decode that reads them."""
+    cache, q = _step(gen, lens=[5, 9])
+    lens = cache.seq_lens.tolist()
+    rows = torch.arange(len(lens), device=DEVICE)
+    last = torch.tensor(lens, device=DEVICE) - 1  # each sequence's newest token, rewritten
+    slots = cache.block_table[rows, last // 4].long() * 4 + last % 4
+    k = torch.randn(len(lens), 2, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
+    v = torch.randn(len(lens), 2, 64, generator=gen, device=DEVICE).to(torch.bfloat16)
+    tensors = (cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    eager = [t.clone() for t in (*tensors, cache.k_scale, cache.v_scale)]
+    compiled = [t.clone() for t in (*tensors, cache.k_scale, cache.v_scale)]
+
+    want = _append_and_decode(k, v, q, *eager[:4], slots, *eager[4:])
+    torch._dynamo.reset()
+    step = torch.compile(_append_and_decode, fullgraph=True, backend="aot_eager")
+    got = step(k, v, q, *compiled[:4], slots, *compiled[4:])
+    assert torch.equal(got, want)
+    for g, w in zip(compiled, eager):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    before = cache.k_cache.view(torch.uint8)[slots // 4, slots % 4]
+    assert not torch.equal(compiled[0].view(torch.uint8)[slots // 4, slots % 4], before)
+
+
 def _layer(plan, q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
     """A layer's attention on a plan refilled outside it (as a serving step does once)."""
     out = pagedattn.paged_decode(

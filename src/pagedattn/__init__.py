@@ -6,6 +6,7 @@ from . import _backend  # noqa: F401  (before Triton: picks its interpreter with
 from .api import paged_decode, plan_decode
 from .cache import (
     PagedCache,
+    append_kv,
     block_table_to_indptr,
     build_paged_cache,
     indptr_to_block_table,
@@ -18,6 +19,7 @@ __all__ = [
     "PagedCache",
     "WorkItem",
     "__version__",
+    "append_kv",
     "block_table_to_indptr",
     "build_paged_cache",
     "indptr_to_block_table",

@@ -17,10 +17,18 @@ import torch
 
 from pagedattn.reference import KV_LAYOUTS
 
+from . import checks
+from ._kernels.append import _append_kv_kernel
+from ._kernels.common import interpreting
+from .checks import tensor_key
+from .launch import BoundLaunch, next_power_of_2
+from .plan import MAX_SIGNATURES
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "PagedCache",
+    "append_kv",
     "block_table_to_indptr",
     "build_paged_cache",
     "indptr_to_block_table",
@@ -402,3 +410,241 @@ def _table_width(max_pages_per_seq: int | None, needed: int) -> int:
             f"got {max_pages_per_seq}"
         )
     return max_pages_per_seq
+
+
+# -- the step's cache write ------------------------------------------------------------------
+
+# FP8 formats append_kv writes: (largest finite value, exponent bias, has a negative zero).
+APPEND_FP8_FORMATS = {
+    torch.float8_e4m3fn: (448.0, 7, True),
+    torch.float8_e4m3fnuz: (240.0, 8, False),  # AMD's: 0x80 is its NaN
+}
+# Elements of one K (or V) tile a program writes at most: 16 heads of head_dim 256.
+_APPEND_TILE = 4096
+
+
+@dataclass(frozen=True)
+class AppendStep:
+    """An :func:`append_kv` launch prepared for one call signature: the bound launch (None
+    when there is nothing to write: no tokens or no heads, or a cache of no slots), its
+    integer arguments in the kernel's order (strides, page size, slot count), whether FP8
+    caches go to the kernel as bytes, and the slot count the debug check reports against."""
+
+    launch: BoundLaunch | None
+    k_strides: tuple
+    v_strides: tuple
+    k_cache_strides: tuple
+    v_cache_strides: tuple
+    k_scale_strides: tuple
+    v_scale_strides: tuple
+    sizes: tuple
+    byte_views: bool
+    num_slots: int
+
+
+def append_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    kv_scale: str | None = None,
+    debug: bool = False,
+) -> None:
+    """Write the step's new keys and values into the paged cache, in one launch.
+
+    Token ``t``'s rows go to slot ``slot_mapping[t] = page * page_size + offset`` (vLLM's
+    form): page ``page``, in-page position ``offset``. A slot of -1 marks padding and is
+    skipped. A slot outside the cache (< -1 or >= ``num_pages * page_size``, any value) is
+    never written and the other tokens still are; ``debug=True`` reports it. Nothing syncs
+    with the host (but ``debug=True``), so the call may be captured in a CUDA graph. The
+    arguments are checked once per call signature (shapes, strides, dtypes, devices and
+    options); a later call like it launches the prepared kernel.
+
+    Parameters
+    ----------
+    k, v : torch.Tensor
+        ``[num_tokens, num_kv_heads, head_dim]``, bf16 or fp16, any strides with a unit
+        stride on head_dim.
+    k_cache, v_cache : torch.Tensor
+        ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+        ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), any strides (may be views
+        of one tensor). k's dtype (stored as is, bit for bit), ``torch.float8_e4m3fn`` (largest
+        value 448) or ``torch.float8_e4m3fnuz`` (AMD's, 240).
+    slot_mapping : torch.Tensor
+        ``[num_tokens]`` int32 or int64, contiguous.
+    kv_layout : {"NHD", "HND"}
+        Cache layout.
+    k_scale, v_scale : torch.Tensor, optional
+        FP8 only, float32. ``"per_tensor"``: one element each, read. ``"per_token"``: the
+        cache's shape without head_dim (``[num_pages, page_size, num_kv_heads]`` for NHD,
+        ``[num_pages, num_kv_heads, page_size]`` for HND), any strides, written at the
+        token's slot.
+    kv_scale : {None, "per_tensor", "per_token"}
+        None for a 16-bit cache. For FP8 the cache gets ``x / scale`` (float32 division)
+        saturated at the format's largest value and rounded to nearest even;
+        ``"per_token"`` computes each (token, head) row's scale as its largest magnitude over
+        that value (1 for a row of zeros), so that ``fp8.float() * scale`` is the value
+        :func:`pagedattn.paged_decode` reads. Values must be finite.
+    debug : bool
+        Sync after the launch and raise a ``ValueError`` naming the token rows whose slots
+        are outside the cache (they were skipped; the rest were written).
+
+    The float32 arithmetic is :func:`pagedattn.reference.append_kv_torch`'s, which gives the
+    same bytes.
+    """
+    try:
+        # The fast path: a call like an earlier one reuses its checked, prepared launch.
+        key = (
+            tensor_key(k),
+            tensor_key(v),
+            tensor_key(k_cache),
+            tensor_key(v_cache),
+            tensor_key(slot_mapping),
+            tensor_key(k_scale),
+            tensor_key(v_scale),
+            kv_layout,
+            kv_scale,
+            debug is True,
+            debug is False,
+        )
+        step = _APPEND_STEPS.get(key)
+    except (AttributeError, TypeError):  # not a tensor, unhashable: full checks
+        key = step = None
+    if step is None:
+        step = _append_step(
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            kv_layout=kv_layout,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            kv_scale=kv_scale,
+            debug=debug,
+        )
+        if key is not None:
+            if len(_APPEND_STEPS) >= MAX_SIGNATURES:
+                _APPEND_STEPS.clear()
+            _APPEND_STEPS[key] = step
+    launch = step.launch
+    if launch is not None:
+        if step.byte_views:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        if k_scale is None:
+            k_scale = v_scale = k  # never read without FP8
+        launch(
+            k, *step.k_strides,
+            v, *step.v_strides,
+            k_cache, *step.k_cache_strides,
+            v_cache, *step.v_cache_strides,
+            k_scale, *step.k_scale_strides,
+            v_scale, *step.v_scale_strides,
+            slot_mapping, *step.sizes,
+        )  # fmt: skip
+    if debug:
+        _raise_bad_slots(slot_mapping, step.num_slots)
+
+
+# Prepared cache writes by call signature (see ``append_kv``'s fast path).
+_APPEND_STEPS: dict[tuple, AppendStep] = {}
+
+
+def _append_step(
+    k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale, kv_scale, debug
+) -> AppendStep:
+    """:func:`append_kv`'s full path: checks the arguments (raising the clear errors) and
+    prepares the launch."""
+    shape = checks.check_append_args(
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        kv_layout=kv_layout,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_scale=kv_scale,
+        debug=debug,
+    )
+    num_slots = shape.num_pages * shape.page_size
+    fp8 = kv_scale is not None
+    fp8_max, exponent_bias, negative_zero = APPEND_FP8_FORMATS.get(k_cache.dtype, (0.0, 0, True))
+
+    def cache_strides(cache):
+        # (page, slot, head, dim), whatever the layout
+        s = cache.stride()
+        return s if kv_layout == "NHD" else (s[0], s[2], s[1], s[3])
+
+    def scale_strides(scale):
+        if kv_scale != "per_token":
+            return (0, 0, 0)
+        s = scale.stride()
+        return s if kv_layout == "NHD" else (s[0], s[2], s[1])
+
+    launch = None
+    if shape.num_tokens and shape.num_kv_heads and num_slots:
+        block_d = next_power_of_2(shape.head_dim)
+        block_h = min(next_power_of_2(shape.num_kv_heads), max(1, _APPEND_TILE // block_d))
+        launch = BoundLaunch(
+            _append_kv_kernel,
+            (shape.num_tokens, -(-shape.num_kv_heads // block_h)),
+            num_warps=max(1, min(4, block_h * block_d // 256)),
+            NUM_KV_HEADS=shape.num_kv_heads,
+            HEAD_DIM=shape.head_dim,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            FP8=fp8,
+            PER_TOKEN=kv_scale == "per_token",
+            FP8_MAX=fp8_max,
+            EXPONENT_BIAS=exponent_bias,
+            NEGATIVE_ZERO=negative_zero,
+        )
+    return AppendStep(
+        launch=launch,
+        k_strides=k.stride()[:2],
+        v_strides=v.stride()[:2],
+        k_cache_strides=cache_strides(k_cache),
+        v_cache_strides=cache_strides(v_cache),
+        k_scale_strides=scale_strides(k_scale),
+        v_scale_strides=scale_strides(v_scale),
+        sizes=(shape.page_size, num_slots),
+        byte_views=fp8 and not _fp8_native(k_cache.dtype, k_cache.device),
+        num_slots=num_slots,
+    )
+
+
+def _fp8_native(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel can take an FP8 cache as it is: Triton types e4m3fn pointers in the
+    interpreter and on NVIDIA GPUs from sm_89; anywhere else (and e4m3fnuz, which Triton's
+    NVIDIA backend has no type for) the cache goes to the kernel as bytes (a uint8 view)."""
+    if dtype != torch.float8_e4m3fn:
+        return False
+    if interpreting():
+        return True
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _raise_bad_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """``debug=True``: raise naming the token rows whose slots are outside the cache (syncs)."""
+    slots = slot_mapping.to(torch.int64)
+    bad = ((slots < -1) | (slots >= num_slots)).nonzero().flatten().tolist()
+    if not bad:
+        return
+    values = slots[bad].tolist()
+    shown = 16
+    more = f" (and {len(bad) - shown} more)" if len(bad) > shown else ""
+    rows = ", ".join(map(str, bad[:shown])) + more
+    got = ", ".join(map(str, values[:shown])) + more
+    raise ValueError(
+        f"slot_mapping: {len(bad)} slot(s) outside the cache [0, {num_slots}) at token rows "
+        f"{rows}: expected -1 (padding) or a slot in [0, {num_slots}), got {got}; those tokens "
+        "were not written"
+    )

@@ -453,3 +453,127 @@ def check_plan_matches(plan, shape: DecodeShape, device: torch.device) -> None:
             _fail(ValueError, "plan", f"{field}={want!r} (from the inputs)", f"{field}={got!r}")
     if plan.device != device:
         _fail(ValueError, "plan", f"device {device} (q's)", plan.device)
+
+
+# Cache dtypes :func:`pagedattn.append_kv` writes: 16-bit (stored as is) and FP8 (quantised).
+APPEND_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+APPEND_KV_DTYPES = (torch.bfloat16, torch.float16, *APPEND_FP8_DTYPES)
+SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+class AppendShape(NamedTuple):
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+
+
+def check_append_args(
+    k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale, kv_scale, debug
+) -> AppendShape:
+    """Checks :func:`pagedattn.append_kv`'s arguments; returns the write's shape. The values
+    of ``slot_mapping`` are the kernel's to check (a bad slot is never written)."""
+    check_flag("debug", debug)
+    if kv_layout not in KV_LAYOUTS:
+        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    if kv_scale not in KV_SCALES:
+        _fail(ValueError, "kv_scale", "None, 'per_tensor' or 'per_token'", repr(kv_scale))
+    _tensor("k", k, 3, Q_DTYPES)
+    check_device("k", k)
+    _tensor("v", v, 3, Q_DTYPES)
+    if v.dtype != k.dtype:
+        _fail(TypeError, "v", f"dtype {k.dtype} (k's)", v.dtype)
+    if tuple(v.shape) != tuple(k.shape):
+        _fail(ValueError, "v", f"shape {tuple(k.shape)} (k's)", tuple(v.shape))
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[2] > 1 and x.stride(2) != 1:
+            _fail(ValueError, name, "a unit stride on head_dim (the last dim)", x.stride())
+    _tensor("k_cache", k_cache, 4, APPEND_KV_DTYPES)
+    _tensor("v_cache", v_cache, 4, APPEND_KV_DTYPES)
+    if v_cache.dtype != k_cache.dtype:
+        _fail(TypeError, "v_cache", f"dtype {k_cache.dtype} (k_cache's)", v_cache.dtype)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        _fail(
+            ValueError, "v_cache", f"shape {tuple(k_cache.shape)} (k_cache's)", tuple(v_cache.shape)
+        )
+    _tensor("slot_mapping", slot_mapping, 1, SLOT_DTYPES)
+    for name, x in (
+        ("v", v),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("slot_mapping", slot_mapping),
+    ):
+        if x.device != k.device:
+            _fail(ValueError, name, f"device {k.device} (k's)", x.device)
+
+    if kv_layout == "NHD":
+        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+        layout_shape = "[num_pages, page_size, num_kv_heads]"
+    else:
+        num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
+        layout_shape = "[num_pages, num_kv_heads, page_size]"
+    num_tokens = k.shape[0]
+    if tuple(k.shape[1:]) != (num_kv_heads, head_dim):
+        _fail(
+            ValueError,
+            "k",
+            f"shape [num_tokens, {num_kv_heads}, {head_dim}] (the cache's num_kv_heads and "
+            f"head_dim with kv_layout={kv_layout!r})",
+            tuple(k.shape),
+        )
+    if head_dim not in HEAD_DIMS:
+        _fail(ValueError, "head_dim", f"one of {HEAD_DIMS}", head_dim)
+    if slot_mapping.shape[0] != num_tokens:
+        _fail(
+            ValueError,
+            "slot_mapping",
+            f"shape ({num_tokens},) (k's rows)",
+            tuple(slot_mapping.shape),
+        )
+    if num_tokens > 1 and slot_mapping.stride(0) != 1:
+        _fail(
+            ValueError,
+            "slot_mapping",
+            "a contiguous tensor (stride 1)",
+            f"stride {slot_mapping.stride(0)}",
+        )
+
+    if k_cache.dtype not in APPEND_FP8_DTYPES:
+        if k_cache.dtype != k.dtype:
+            _fail(TypeError, "k_cache", f"dtype {k.dtype} (k's) or an FP8 dtype", k_cache.dtype)
+        if kv_scale is not None:
+            _fail(ValueError, "kv_scale", f"None for a {k_cache.dtype} cache", repr(kv_scale))
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None:
+                _fail(ValueError, name, f"None for a {k_cache.dtype} cache", "a tensor")
+    else:
+        if kv_scale is None:
+            _fail(
+                ValueError,
+                "kv_scale",
+                f"'per_tensor' or 'per_token' for a {k_cache.dtype} cache",
+                None,
+            )
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(scale, torch.Tensor):
+                _fail(
+                    TypeError,
+                    name,
+                    f"a float32 tensor for kv_scale={kv_scale!r}",
+                    type(scale).__name__,
+                )
+            if scale.dtype != torch.float32:
+                _fail(TypeError, name, "dtype float32", scale.dtype)
+            if scale.device != k.device:
+                _fail(ValueError, name, f"device {k.device} (k's)", scale.device)
+            if kv_scale == "per_tensor" and scale.numel() != 1:
+                _fail(ValueError, name, "one element (kv_scale='per_tensor')", tuple(scale.shape))
+            if kv_scale == "per_token" and tuple(scale.shape) != tuple(k_cache.shape[:3]):
+                _fail(
+                    ValueError,
+                    name,
+                    f"shape {tuple(k_cache.shape[:3])} = {layout_shape} (kv_scale='per_token')",
+                    tuple(scale.shape),
+                )
+    return AppendShape(num_tokens, num_kv_heads, head_dim, num_pages, page_size)

@@ -1,6 +1,6 @@
 """The decode step as ``torch.library`` custom ops, for ``torch.compile`` and CUDA graphs.
 
-Three ops in the ``pagedattn`` namespace, each with a fake (meta) implementation so that
+Four ops in the ``pagedattn`` namespace, each with a fake (meta) implementation so that
 ``torch.compile(fullgraph=True)`` traces them without graph breaks:
 
 ``torch.ops.pagedattn.refill_plan(seq_lens, metadata, batch, query_len, num_q_heads,
@@ -15,6 +15,10 @@ logits_soft_cap, query_start_loc, return_lse, debug, exact_qk) -> (out, lse)``
     ``[rows, heads]`` with ``return_lse``, else an empty ``[0]`` tensor.
 ``torch.ops.pagedattn.paged_decode_out(..., out, lse)``
     The same, written into the given ``out`` (and ``lse`` when it is not None).
+``torch.ops.pagedattn.append_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale,
+v_scale, kv_scale, debug)``
+    :func:`pagedattn.append_kv`, the step's cache write; it declares the caches and the
+    scales as mutated (per-token scales are written).
 
 The decode ops declare the plan's ``metadata`` (the kernels record faults there) and
 ``partials`` (scratch for split sequences) as mutated, so the compiler orders them after the
@@ -29,10 +33,11 @@ and refill it inside (``refill_plan(plan, seq_lens)`` or ``plan_decode(..., reus
 :func:`plan_decode` can also make a new plan inside a compiled function: its sizes are chosen
 once, while tracing.
 
-``pagedattn.paged_decode`` and ``pagedattn.plan_decode`` themselves are traceable once this
-module is imported: it registers :func:`paged_decode` and :func:`plan_decode` here as what
-``torch.compile`` traces in their place (``torch.compiler.substitute_in_graph``), so a model
-that calls ``pagedattn.paged_decode`` compiles with ``fullgraph=True``. Eager calls of the
+``pagedattn.paged_decode``, ``pagedattn.plan_decode`` and ``pagedattn.append_kv`` themselves
+are traceable once this module is imported: it registers :func:`paged_decode`,
+:func:`plan_decode` and :func:`append_kv` here as what ``torch.compile`` traces in their place
+(``torch.compiler.substitute_in_graph``), so a model that calls ``pagedattn.paged_decode``
+compiles with ``fullgraph=True``. Eager calls of the
 public functions are untouched. Under ``torch.compile``, ``launch_config`` (a tuning knob)
 and any other keyword argument the ops do not take must be None.
 """
@@ -44,9 +49,10 @@ import warnings
 import torch
 
 from . import api, checks
+from .cache import append_kv as eager_append_kv
 from .plan import DecodePlan, allocate_plan, plan_sizes
 
-__all__ = ["paged_decode", "plan_decode", "refill_plan"]
+__all__ = ["append_kv", "paged_decode", "plan_decode", "refill_plan"]
 
 # -- the ops' parameters, written once, as in a schema ----------------------------------------
 
@@ -426,6 +432,50 @@ def paged_decode(
     return (out, lse) if return_lse else out
 
 
+# -- cache write ------------------------------------------------------------------------------
+
+_APPEND_PARAMS = (
+    "Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, str kv_layout, "
+    "Tensor? k_scale, Tensor? v_scale, str? kv_scale, bool debug"
+)
+
+
+@_custom_op(
+    "append_kv", _APPEND_PARAMS, mutates=("k_cache", "v_cache", "k_scale", "v_scale"), returns="()"
+)
+def _append_kv_op(*args) -> None:
+    arg = _named(_APPEND_PARAMS, args)
+    eager_append_kv(
+        arg.pop("k"), arg.pop("v"), arg.pop("k_cache"), arg.pop("v_cache"),
+        arg.pop("slot_mapping"), **arg,
+    )  # fmt: skip
+
+
+@_append_kv_op.register_fake
+def _(*args) -> None:
+    return None
+
+
+def append_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    kv_scale: str | None = None,
+    debug: bool = False,
+) -> None:
+    """:func:`pagedattn.append_kv` through ``torch.ops.pagedattn.append_kv`` (same arguments,
+    writes and errors)."""
+    torch.ops.pagedattn.append_kv(
+        k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale, debug
+    )
+
+
 def _register_substitutes() -> None:
     """Makes torch.compile trace the public entry points as the functions above."""
 
@@ -437,9 +487,13 @@ def _register_substitutes() -> None:
     def traceable_plan_decode(*args, **kwargs):
         return plan_decode(*args, **kwargs)
 
+    def traceable_append_kv(*args, **kwargs):
+        return append_kv(*args, **kwargs)
+
     for original, traceable in (
         (api.paged_decode, traceable_paged_decode),
         (api.plan_decode, traceable_plan_decode),
+        (eager_append_kv, traceable_append_kv),
     ):
         try:
             torch.compiler.substitute_in_graph(original)(traceable)

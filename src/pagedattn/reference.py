@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-__all__ = ["dequantize_kv", "paged_decode_torch", "rel_error"]
+__all__ = ["append_kv_torch", "dequantize_kv", "paged_decode_torch", "rel_error"]
 
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -384,3 +384,82 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not bool(torch.isfinite(out).all()):
         return math.inf
     return float((out - ref).norm() / ref.norm())
+
+
+def append_kv_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    kv_scale: str | None = None,
+    debug: bool = False,
+) -> None:
+    """:func:`pagedattn.append_kv` in torch: the same arguments, the same float32 arithmetic
+    and torch's own rounding to FP8, so the bytes (and per-token scales) it writes are the
+    ones the kernel must write.
+
+    Token ``t`` goes to page ``slot_mapping[t] // page_size``, position
+    ``slot_mapping[t] % page_size``; slots outside ``[0, num_pages * page_size)`` (-1:
+    padding) are skipped, and with ``debug`` reported by a ``ValueError`` after the others
+    are written. 16-bit caches get the values as they are. FP8 caches get ``x.float() /
+    scale`` clamped to the format's largest value (``torch.finfo``) and converted by
+    ``.to(dtype)`` (round to nearest even); ``kv_scale="per_token"`` computes each (token,
+    head) row's scale as ``amax(|x|) / largest`` (1 where that is 0) and writes it into
+    ``k_scale``/``v_scale`` at the token's slot. Syncs with the host.
+    """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if kv_layout == "NHD":
+        num_pages, page_size = k_cache.shape[:2]
+    else:
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[2]
+    num_slots = num_pages * page_size
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    in_cache = (slots >= 0) & (slots < num_slots)
+    rows = in_cache.nonzero().flatten()
+    pages, offsets = slots[rows] // page_size, slots[rows] % page_size
+    fp8 = k_cache.dtype in _FP8_DTYPES
+    if fp8 and kv_scale not in ("per_tensor", "per_token"):
+        raise ValueError(
+            f"kv_scale: expected 'per_tensor' or 'per_token' for FP8, got {kv_scale!r}"
+        )
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = x[rows.to(x.device)].to(cache.device)
+        if not fp8:
+            values = x.to(cache.dtype)
+        else:
+            largest = torch.finfo(cache.dtype).max
+            x = x.to(torch.float32)
+            if kv_scale == "per_token":
+                # A float32 tensor divisor: CUDA divides by a host scalar as a product with
+                # its reciprocal, which can differ in the last bit.
+                row_scale = x.abs().amax(dim=-1) / torch.full_like(x[..., 0], largest)
+                row_scale = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
+                _put(scale, pages, offsets, kv_layout, row_scale)
+                divisor = row_scale.unsqueeze(-1)
+            else:
+                divisor = scale.to(torch.float32).reshape(())
+            values = (x / divisor).clamp(-largest, largest).to(cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        _put(cache, pages, offsets, kv_layout, values)
+    bad = ((slots < -1) | (slots >= num_slots)).nonzero().flatten().tolist()
+    if debug and bad:
+        raise ValueError(
+            f"slot_mapping: {len(bad)} slot(s) outside the cache [0, {num_slots}) at token rows "
+            f"{', '.join(map(str, bad))}: expected -1 (padding) or a slot in [0, {num_slots}), "
+            f"got {', '.join(map(str, slots[bad].tolist()))}"
+        )
+
+
+def _put(target: torch.Tensor, pages, offsets, kv_layout: str, values: torch.Tensor) -> None:
+    """``values`` (token-major rows) into the (page, offset) slots of a cache or a per-token
+    scale, in place."""
+    if kv_layout == "NHD":
+        target[pages, offsets] = values
+    else:
+        target[pages, :, offsets] = values
