@@ -18,9 +18,11 @@ import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL = Path("src/pagedattn/_kernels/gluon_decode.py")
+KERNEL = Path("src/pagedattn/_kernels/hopper")  # the kernel's package: one module a role
+# Per check: the module it lies in, its text, what replaces it.
 EDITS = {
     "lengths": (
+        "common.py",
         """    fault = gl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
     fault |= gl.where(seq_len > capacity, FAULT_CAPACITY, 0)
     fault |= gl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
@@ -32,17 +34,20 @@ EDITS = {
 """,
     ),
     "page_ids": (
+        "load.py",
         """        if gl.max(bad.to(gl.int32), axis=0) != 0:
             gl.atomic_or(faults_ptr + seq, FAULT_PAGE_ID)
 """,
         "",
     ),
     "nan_rows": (
+        "epilogue.py",
         "    nan_rows = invalid | gl.convert_layout(o_sum != o_sum, row_l)\n",
         "    nan_rows = invalid\n",
     ),
     "scale_ids": (
-        "    return gl.where(_bad_page(page, num_pages), 0, page)\n",
+        "common.py",
+        "    return gl.where(bad_page(page, num_pages), 0, page)\n",
         "    return page\n",
     ),
 }
@@ -59,15 +64,17 @@ def main() -> None:
     out = args.dir
     shutil.rmtree(out / "src", ignore_errors=True)
     shutil.copytree(ROOT / "src", out / "src", ignore=shutil.ignore_patterns("__pycache__"))
-    text = (ROOT / KERNEL).read_text()
     for name in names:
-        old, new = EDITS[name]
+        module, old, new = EDITS[name]
+        path = out / KERNEL / module
+        text = path.read_text()
         if text.count(old) != 1:
             parser.exit(
-                2, f"without_checks: expected one {old!r} in {KERNEL}, found {text.count(old)}\n"
+                2,
+                f"without_checks: expected one {old!r} in {KERNEL / module}, "
+                f"found {text.count(old)}\n",
             )
-        text = text.replace(old, new)
-    (out / KERNEL).write_text(text)
+        path.write_text(text.replace(old, new))
     print(f"wrote {out / 'src'} (the Hopper kernel without its checks of {', '.join(names)})")
 
 
