@@ -47,16 +47,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 PROMPTS = ["The paged cache", "Attention is all", "Once upon a time, in a land far away"]
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 values and float32 scales of ``[..., head_dim]`` rows (largest magnitude to 448):
-    ``pagedattn.quantize_kv(x, "per_token")``'s rule without its finiteness check, which
-    reads the GPU and so cannot be captured in a CUDA graph."""
-    amax = x.float().abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    x8 = (x.float() / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(pagedattn.cache.FP8_DTYPE)
-    return x8, scale
-
-
 class PagedKVCache:
     """Per-layer K/V pages, a block table and lengths for a fixed batch of sequences.
 
@@ -100,27 +90,27 @@ class PagedKVCache:
             self.block_table[seq, len(self.pages[seq])] = page
             self.pages[seq].append(page)
 
-    def _store(self, layer, pages, slots, key, value):
-        """key/value ``[tokens, num_kv_heads, head_dim]`` into (page, slot) pairs."""
-        if self.fp8:
-            for cache, scales, x in (
-                (self.k[layer], self.k_scale[layer], key),
-                (self.v[layer], self.v_scale[layer], value),
-            ):
-                x8, scale = quantize_per_token(x)
-                cache[pages, slots] = x8
-                scales[pages, slots] = scale
-        else:
-            self.k[layer][pages, slots] = key.to(self.dtype)
-            self.v[layer][pages, slots] = value.to(self.dtype)
+    def _store(self, layer, slot_mapping, key, value):
+        """key/value ``[tokens, num_kv_heads, head_dim]`` into the cache at ``slot_mapping``
+        (``page * page_size + offset``), in one launch; FP8 with a scale per (token, head)."""
+        pagedattn.append_kv(
+            key.to(self.dtype),
+            value.to(self.dtype),
+            self.k[layer],
+            self.v[layer],
+            slot_mapping,
+            k_scale=self.k_scale[layer],
+            v_scale=self.v_scale[layer],
+            kv_scale="per_token" if self.fp8 else None,
+        )
 
     def write_prefill(self, layer, key, value):
         """A prompt's keys/values ``[1, H, S, D]`` for sequence ``prefill_seq``."""
         seq, n = self.prefill_seq, key.shape[2]
         positions = torch.arange(n, device=key.device)
         pages = torch.tensor(self.pages[seq], device=key.device)[positions // self.page_size]
-        slots = positions % self.page_size
-        self._store(layer, pages, slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        slot_mapping = pages * self.page_size + positions % self.page_size
+        self._store(layer, slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
     def write_decode(self, layer, key, value):
         """One new token per sequence ``[B, H, 1, D]`` at ``positions`` (device-side
@@ -128,8 +118,8 @@ class PagedKVCache:
         pos = self.positions[:, 0]
         rows = torch.arange(pos.shape[0], device=pos.device)
         pages = self.block_table[rows, pos // self.page_size].long()
-        slots = pos % self.page_size
-        self._store(layer, pages, slots, key[:, :, 0], value[:, :, 0])
+        slot_mapping = pages * self.page_size + pos % self.page_size
+        self._store(layer, slot_mapping, key[:, :, 0], value[:, :, 0])
 
 
 ACTIVE: PagedKVCache | None = None  # the cache of the generation running now
