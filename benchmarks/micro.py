@@ -27,11 +27,11 @@ import torch
 
 import pagedattn
 from pagedattn._cli_args import int_list
-from pagedattn.api import reduce_partials
 from pagedattn.bench.cases import KV_DTYPES, Case, kv_bytes
 from pagedattn.bench.ceiling import measure_read_gbps
 from pagedattn.bench.run import ERROR_BOUNDS, fixed_plan_call, make_cache, make_query
 from pagedattn.bench.timing import host_time_us, time_graph
+from pagedattn.families.reduce import ReduceStep, reduce_partials
 from pagedattn.launch import (
     DecodeLaunchConfig,
     ReduceLaunchConfig,
@@ -146,7 +146,7 @@ def parts(args: argparse.Namespace) -> None:
     left unmerged), ``plan_decode(reuse=)`` alone and the reducer alone; each a CUDA graph of
     several calls over one cache, per call. The differences are what each launch adds to a
     step (with programmatic dependent launch, less than its time alone)."""
-    from pagedattn._kernels import gluon_decode
+    from pagedattn.families import hopper
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -176,8 +176,8 @@ def parts(args: argparse.Namespace) -> None:
         # The decode kernel alone: both families call the reducer through these names.
         skip = lambda *a, **k: None  # noqa: E731
         with (
-            unittest.mock.patch.object(gluon_decode, "reduce_partials", skip),
-            unittest.mock.patch.object(pagedattn.api, "reduce_partials", skip),
+            unittest.mock.patch.object(hopper, "reduce_partials", skip),
+            unittest.mock.patch.object(ReduceStep, "__call__", skip),
         ):
             decode_alone = timed(decode)
         reduce_alone = functools.partial(reduce_partials, plan, out, None)
@@ -312,7 +312,7 @@ def gluon(args: argparse.Namespace) -> None:
     cap; ``load_regs`` the load warp's registers, default the kernel's), µs, GB/s, % of the
     read ceiling measured in the same run and the relative error against the float64
     reference."""
-    from pagedattn._kernels import gluon_decode
+    from pagedattn.families import hopper
 
     device = torch.device("cuda")
     ceiling, _ = measure_read_gbps(device=device)
@@ -328,13 +328,13 @@ def gluon(args: argparse.Namespace) -> None:
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         ref = paged_decode_torch(*a, **kw)
         configs = [("triton", None, None, None, None, None)] + [
-            ("gluon", *c, *(gluon_decode.DEFAULT_LOAD_REGS,) * (4 - len(c)), form)
+            ("gluon", *c, *(hopper.DEFAULT_LOAD_REGS,) * (4 - len(c)), form)
             for c, form in itertools.product(args.configs, args.forms)
         ]
         for backend, programs, stages, maxnreg, load_regs, form in configs:
             if backend == "triton":
                 # The portable family at its own default plan (``auto`` would take this one).
-                with pagedattn.api.using_backend("triton"):
+                with pagedattn.backend.using_backend("triton"):
                     plan = pagedattn.plan_decode(cache.seq_lens, **case.plan_kwargs())
                 step = functools.partial(
                     pagedattn.paged_decode, *a, plan=plan, backend="triton", **kw
@@ -343,7 +343,7 @@ def gluon(args: argparse.Namespace) -> None:
                 fixed = dataclasses.replace(case, num_programs=programs).plan_kwargs()
                 plan = pagedattn.plan_decode(cache.seq_lens, **fixed, partition_size=args.partition)
                 step = functools.partial(
-                    gluon_decode.gluon_paged_decode,
+                    hopper.gluon_paged_decode,
                     *a,
                     plan,
                     stages=stages,

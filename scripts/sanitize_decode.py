@@ -9,7 +9,7 @@ from pagedattn.reference import paged_decode_torch, rel_error
 
 FP8 = torch.float8_e4m3fn
 gen = torch.Generator(device="cuda").manual_seed(0)
-hopper = pagedattn.api._hopper_reason(torch.device("cuda")) is None
+hopper = pagedattn.backend.hopper_reason(torch.device("cuda")) is None
 worst = {}
 # (layout, kv dtype, scale, window, head_dim, query heads over 2 kv heads, page size)
 cases = (

@@ -5,7 +5,7 @@
 For each shape (FP8 per-tensor, 16/1 heads, head_dim 128, page 1024, default plan and launch
 config, the kernel family ``paged_decode`` picks): the whole step with a fixed plan timed by
 CUDA-graph replays, then one decode whose programs stamp ``%globaltimer`` at their start and end
-and at each work's start, first tile and epilogue (``pagedattn.api.tracing``). Printed, in µs
+and at each work's start, first tile and epilogue (``pagedattn.decode.tracing``). Printed, in µs
 from the first program's start: when programs start (launch ramp), when they end (tail), and per
 work the set-up before the first tile, the tile loop and the epilogue, with the loop's streaming
 rate; then per SM its programs' last end and mean loop rate, and how that rate correlates with
@@ -34,7 +34,7 @@ def traced_run(plan, args, kw) -> np.ndarray:
     """One traced decode (after two warm-up runs): the stamps in µs, the SM ids as stored."""
     trace = torch.zeros(plan.num_programs, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     for _ in range(3):  # compile, then warm; the last run's stamps are kept
-        with pagedattn.api.tracing(trace):
+        with pagedattn.decode.tracing(trace):
             pagedattn.paged_decode(*args, **kw)
     torch.cuda.synchronize()
     t = trace.cpu().numpy().astype(np.float64)

@@ -26,6 +26,17 @@ requires_gpu = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def fresh_call_signatures(monkeypatch):
+    """Each test starts with no prepared launches, so a test that patches a kernel or a choice
+    sees calls take the full path; within a test the fast path works as in use."""
+    import pagedattn.decode
+    import pagedattn.plan
+
+    monkeypatch.setattr(pagedattn.plan, "_PLAN_STEPS", {})
+    monkeypatch.setattr(pagedattn.decode, "_DECODE_STEPS", {})
+
+
 @pytest.fixture
 def gen(request):
     """A generator seeded from the test's id: fresh data per case, reproducible per run."""
@@ -46,7 +57,7 @@ def each_backend(request):
     Hopper family wherever it covers the call; through the interpreter once (only the
     portable family runs there). A module opts in with
     ``pytestmark = pytest.mark.usefixtures("each_backend")``."""
-    from pagedattn.api import using_backend
+    from pagedattn.backend import using_backend
 
     with using_backend(request.param):
         yield request.param

@@ -545,7 +545,7 @@ def test_fp8_keys_as_stored_and_exact_qk(gen):
 def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
     """Plan + decode + reduce captured once, replayed with new lengths; with programmatic
     dependent launches (the default on GPUs that have them) and without (PAGEDATTN_PDL=0)."""
-    monkeypatch.setattr(pagedattn.api, "_PDL", pdl)
+    monkeypatch.setattr(pagedattn.launch, "_PDL", pdl)
     batch, query_len, max_len = 8, 2, 5000
     shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, query_len=query_len)
     shape.update(kv_dtype=FP8, kv_scale="per_token")
@@ -592,8 +592,8 @@ def test_pdl_asks_the_occupancy_and_stays_right(kv_dtype, gen, monkeypatch):
     """With PDL on the decode kernel asks how many of its programs fit on an SM (it
     is launched early only if they fill every SM exactly); the default grid must fit in one
     wave, and the result is right either way."""
-    monkeypatch.setattr(pagedattn.api, "_PDL", True)
-    monkeypatch.setattr(pagedattn.api, "_programs_per_sm", {})
+    monkeypatch.setattr(pagedattn.launch, "_PDL", True)
+    monkeypatch.setattr(pagedattn.launch, "_programs_per_sm", {})
     kv_scale = "per_tensor" if kv_dtype == FP8 else None
     cache, q = seed_step(8, 3000, 1, gen, kv_scale=kv_scale, kv_dtype=kv_dtype)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
@@ -602,7 +602,7 @@ def test_pdl_asks_the_occupancy_and_stays_right(kv_dtype, gen, monkeypatch):
     plan = seed_plan(cache, kv_dtype=kv_dtype, kv_scale=kv_scale)
     out = pagedattn.paged_decode(*args, plan=plan, backend="triton", **kw)  # its PDL policy
     assert rel_error(out, paged_decode_torch(*args, **kw)) < tolerance(kv_dtype, torch.bfloat16)
-    (fits,) = pagedattn.api._programs_per_sm.values()
+    (fits,) = pagedattn.launch._programs_per_sm.values()
     print(f"{kv_dtype}: {fits} decode programs fit per SM; {plan.num_programs} planned")
     assert fits is not None and plan.num_programs <= fits * sms and fits <= 32
 
@@ -668,7 +668,7 @@ def test_trace_stamps_follow_each_program(gen):
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
     trace = torch.zeros(plan.num_programs, TRACE_SLOTS, dtype=torch.int64, device=DEVICE)
-    with pagedattn.api.tracing(trace):
+    with pagedattn.decode.tracing(trace):
         traced = pagedattn.paged_decode(*args, **kw)
     assert torch.equal(traced, pagedattn.paged_decode(*args, **kw))
     t = trace.cpu()

@@ -100,12 +100,12 @@ VARIANTS = (
 _BUILD = r"""
 import json, os, re, subprocess, sys, tempfile
 import triton
-from pagedattn._kernels import gluon_decode
+from pagedattn.families import hopper
 
 tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 results = []
 for variant in json.loads(sys.argv[1]):
-    kernel = gluon_decode.compile_sm90a(**variant)
+    kernel = hopper.compile_sm90a(**variant)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
@@ -205,32 +205,32 @@ def test_sm90a_build(builds, variant):
 
 @needs_gluon_build
 def test_converter_registers_only_where_the_converter_warps_work():
-    from pagedattn._kernels import gluon_decode
+    from pagedattn.families import hopper
 
     # The rows form with FP8 V gets its converter warps' count; elsewhere those warps return
     # at once and their warpgroup keeps the load warp's count, so the compute warpgroup's
     # registers do not depend on it.
     rows = dict(group=16, query_len=4, page_size=1024, scale_mode=1, write_lse=False)
-    assert gluon_decode.variant(**rows, convert_regs=48)["CONVERT_REGS"] == 48
-    assert gluon_decode.variant(**rows)["CONVERT_REGS"] == gluon_decode.DEFAULT_CONVERT_REGS
+    assert hopper.variant(**rows, convert_regs=48)["CONVERT_REGS"] == 48
+    assert hopper.variant(**rows)["CONVERT_REGS"] == hopper.DEFAULT_CONVERT_REGS
     for other in (
         dict(rows, group=4),  # the transposed form
         dict(rows, scale_mode=0, kv_dtype=torch.bfloat16),  # V multiplied as stored
     ):
-        v = gluon_decode.variant(**other, load_regs=40, convert_regs=48)
+        v = hopper.variant(**other, load_regs=40, convert_regs=48)
         assert v["CONVERT_REGS"] == v["LOAD_REGS"] == 40
 
 
 @needs_gluon_build
 def test_variant_takes_half_only_where_v_is_converted():
-    from pagedattn._kernels import gluon_decode
+    from pagedattn.families import hopper
 
     # The rows form (64 query rows) converts an FP8 V tile HALF tokens at a time ...
     rows = dict(group=16, query_len=4, page_size=1024, scale_mode=1, write_lse=False)
-    assert gluon_decode.variant(**rows)["HALF"] == 16
-    assert gluon_decode.variant(**rows, half=64)["HALF"] == 64
+    assert hopper.variant(**rows)["HALF"] == 16
+    assert hopper.variant(**rows, half=64)["HALF"] == 64
     # ... the transposed form reads it into registers, and a 16-bit V is multiplied as stored.
-    assert gluon_decode.variant(**dict(rows, group=4))["HALF"] == gluon_decode.BLOCK_N
+    assert hopper.variant(**dict(rows, group=4))["HALF"] == hopper.BLOCK_N
     for kw in (
         dict(rows, half=48),  # not a divisor of the tile
         dict(rows, half=-32),
@@ -238,7 +238,7 @@ def test_variant_takes_half_only_where_v_is_converted():
         dict(rows, scale_mode=0, kv_dtype=torch.bfloat16, half=32),
     ):
         with pytest.raises(ValueError, match="half: tokens of V converted at a time"):
-            gluon_decode.variant(**kw)
+            hopper.variant(**kw)
 
 
 @needs_gluon_build
@@ -255,11 +255,11 @@ def test_variant_takes_half_only_where_v_is_converted():
     ],
 )
 def test_variant_refuses_shapes_the_family_does_not_cover(over, expected):
-    from pagedattn._kernels import gluon_decode
+    from pagedattn.families import hopper
 
     case = dict(group=4, query_len=1, page_size=1024, scale_mode=1, write_lse=False)
     with pytest.raises(ValueError, match=f"variant: expected {expected}"):
-        gluon_decode.variant(**{**case, **over})
+        hopper.variant(**{**case, **over})
 
 
 @needs_gluon_build
@@ -280,17 +280,17 @@ def test_descriptors_fill_pages_outside_the_cache_with_nan(
     # A page id outside the cache puts the copy's box outside the descriptor, which reads
     # nothing there and, for these descriptors, fills it with NaN: an FP8 cache goes as fp16
     # pairs (the fill applies to 16-bit floating types and wider; 0x7FFF is two e4m3 NaNs).
-    from pagedattn._kernels import gluon_decode
+    from pagedattn.families import hopper
 
     heads, pages = 3, 5
     shape = (pages, page_size, heads, head_dim)
     if kv_layout == "HND":
         shape = (pages, heads, page_size, head_dim)
     cache = torch.zeros(shape, dtype=kv_dtype)
-    desc = gluon_decode._descriptor(cache, kv_layout, page_size)
+    desc = hopper._descriptor(cache, kv_layout, page_size)
     ratio = 2 // kv_dtype.itemsize
     assert desc.padding == "nan"
-    assert desc.base.dtype == gluon_decode.copy_dtype(kv_dtype) != torch.float8_e4m3fn
+    assert desc.base.dtype == hopper.copy_dtype(kv_dtype) != torch.float8_e4m3fn
     assert desc.base.data_ptr() == cache.data_ptr()
     assert list(desc.shape) == [pages, page_size, heads, head_dim // ratio]
     strides = [
@@ -298,7 +298,7 @@ def test_descriptors_fill_pages_outside_the_cache_with_nan(
         *(cache.stride(i) for i in ((1, 2) if kv_layout == "NHD" else (2, 1))),
     ]
     assert list(desc.strides) == [s // ratio for s in strides] + [1]
-    assert list(desc.block_shape) == box == gluon_decode.box_shape(page_size, kv_dtype, head_dim)
+    assert list(desc.block_shape) == box == hopper.box_shape(page_size, kv_dtype, head_dim)
     nan = torch.tensor([0x7FFF], dtype=torch.int16).view(torch.float16)
     assert bool(nan.isnan().all()) and bool(nan.view(torch.float8_e4m3fn).float().isnan().all())
 
@@ -313,12 +313,14 @@ def test_without_checks_script_still_strips_every_check(tmp_path):
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    kernel = "src/pagedattn/_kernels/gluon_decode.py"
-    stripped = (tmp_path / kernel).read_text()
-    assert stripped != (root / kernel).read_text()
+    kernel = Path("src/pagedattn/_kernels/hopper")  # one module a role
+    modules = sorted(p.name for p in (root / kernel).glob("*.py"))
+    stripped = {m: (tmp_path / kernel / m).read_text() for m in modules}
+    assert stripped != {m: (root / kernel / m).read_text() for m in modules}
     for check in ("FAULT_PAGE_ID)", "FAULT_STALE_PLAN, 0)", "FAULT_CAPACITY, 0)", "o_sum != o_sum"):
-        assert check not in stripped, check
-    compile(stripped, kernel, "exec")
+        assert all(check not in text for text in stripped.values()), check
+    for m, text in stripped.items():
+        compile(text, str(kernel / m), "exec")
 
 
 # -- on a GPU: against the float64 reference --
@@ -396,7 +398,7 @@ def _decode(
     )
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
-    from pagedattn._kernels.gluon_decode import gluon_paged_decode
+    from pagedattn.families.hopper import gluon_paged_decode
 
     gluon_paged_decode(
         q,
@@ -798,7 +800,7 @@ def test_unknown_backend_is_refused(gen):
         pagedattn.paged_decode(*args, **kw, backend="cuda")
     with (
         pytest.raises(ValueError, match="backend: expected one of"),
-        pagedattn.api.using_backend("fastest"),
+        pagedattn.backend.using_backend("fastest"),
     ):
         pass
 
@@ -809,7 +811,7 @@ def test_gluon_backend_needs_the_gpu(gen):
     with pytest.raises(ValueError, match="Hopper family expects a CUDA device"):
         pagedattn.paged_decode(*args, **kw, backend="gluon")
     # "auto" takes the portable family here, even when the Hopper family is preferred.
-    with pagedattn.api.using_backend("gluon"):
+    with pagedattn.backend.using_backend("gluon"):
         out = pagedattn.paged_decode(*args, **kw, backend="auto")
     assert torch.equal(out, pagedattn.paged_decode(*args, **kw, backend="triton"))
 
@@ -841,15 +843,15 @@ def test_auto_takes_the_preferred_family(gen):
         rel_error(gluon, ref) < TOL["per_tensor"] and rel_error(triton_out, ref) < TOL["per_tensor"]
     )
     assert not torch.equal(gluon, triton_out)  # the families' arithmetic differs
-    default = {"triton": triton_out, "gluon": gluon}[pagedattn.api.AUTO_FAMILY]
+    default = {"triton": triton_out, "gluon": gluon}[pagedattn.backend.AUTO_FAMILY]
     assert torch.equal(pagedattn.paged_decode(*args, **kw), default)
-    with pagedattn.api.using_backend("gluon"):
+    with pagedattn.backend.using_backend("gluon"):
         assert torch.equal(pagedattn.paged_decode(*args, **kw), gluon)
         # Where the Hopper family does not cover the call, the preference falls back.
         other, other_kw = _small_call(page_size=4, gen=gen)
         fallback = pagedattn.paged_decode(*other, **other_kw)
         assert torch.equal(fallback, pagedattn.paged_decode(*other, **other_kw, backend="triton"))
-    with pagedattn.api.using_backend("triton"):
+    with pagedattn.backend.using_backend("triton"):
         assert torch.equal(pagedattn.paged_decode(*args, **kw), triton_out)
 
 
@@ -862,13 +864,13 @@ def test_pdl_launches_early_only_where_the_grid_fills_every_sm(gen, kv, sm_share
     launched early (while the scheduler runs) only if the plan's grid fills every SM
     exactly: the default plan (two programs an SM) does, a grid of 3 an SM does not. The
     result is right either way, also for a plan with splits."""
-    from pagedattn import api
-    from pagedattn._kernels import gluon_decode
+    from pagedattn import backend, launch
+    from pagedattn.families import hopper
 
-    monkeypatch.setattr(api, "_PDL", True)
-    monkeypatch.setattr(api, "_programs_per_sm", {})
+    monkeypatch.setattr(launch, "_PDL", True)
+    monkeypatch.setattr(launch, "_programs_per_sm", {})
     early = []
-    real_kernel = gluon_decode.gluon_decode_kernel
+    real_kernel = hopper.gluon_decode_kernel
 
     class Launches:  # records each launch's launch_pdl, then launches as before
         def __getitem__(self, grid):
@@ -881,7 +883,7 @@ def test_pdl_launches_early_only_where_the_grid_fills_every_sm(gen, kv, sm_share
         def warmup(self, *args, **kwargs):
             return real_kernel.warmup(*args, **kwargs)
 
-    monkeypatch.setattr(gluon_decode, "gluon_decode_kernel", Launches())
+    monkeypatch.setattr(hopper, "gluon_decode_kernel", Launches())
     shape = _shape(group=16, kv=kv)
     cache, q = random_step(
         [3000, 1, 0, 700], **shape, device=DEVICE, generator=gen, q_dtype=_q_dtype(kv)
@@ -889,7 +891,7 @@ def test_pdl_launches_early_only_where_the_grid_fills_every_sm(gen, kv, sm_share
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    with api.using_backend("gluon"):  # its grid (two programs an SM) unless given
+    with backend.using_backend("gluon"):  # its grid (two programs an SM) unless given
         plan = pagedattn.plan_decode(
             cache.seq_lens, **shape, num_programs=sm_share and sm_share * sms
         )
@@ -899,9 +901,9 @@ def test_pdl_launches_early_only_where_the_grid_fills_every_sm(gen, kv, sm_share
     ref = reference_decode(q, cache, cache.seq_lens)
     assert rel_error(out[[0, 1, 3]], ref[[0, 1, 3]]) < TOL[kv]
     assert bool((out[2] == 0).all())
-    (fits,) = api._programs_per_sm.values()
+    (fits,) = launch._programs_per_sm.values()
     print(f"{kv}: {fits} Hopper programs fit per SM; {plan.num_programs} planned")
-    assert fits == api.HOPPER_PROGRAMS_PER_SM
+    assert fits == backend.HOPPER_PROGRAMS_PER_SM
     assert early == [sm_share is None]
 
 
@@ -960,15 +962,15 @@ def test_cuda_graph_replay_with_new_lengths(gen, kv):
 def _choice(monkeypatch, *, kv="per_tensor", preference=None, num_programs=None, **over):
     """(plan, family) for a small FP8 step as ``backend="auto"`` would plan and run it on a
     machine where the Hopper family can run (``_hopper_reason`` patched to None)."""
-    from pagedattn import api, checks
+    from pagedattn import backend, checks
 
-    monkeypatch.setattr(api, "_hopper_reason", lambda device: None)
+    monkeypatch.setattr(backend, "hopper_reason", lambda device: None)
     shape = dict(_shape(kv=kv), **over)
     cache, q = random_step(
         [300, 1, 0, 700], **shape, device=DEVICE, generator=None, q_dtype=_q_dtype(kv)
     )
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    with api.using_backend(preference or "auto"):
+    with backend.using_backend(preference or "auto"):
         plan = pagedattn.plan_decode(
             cache.seq_lens, **shape, num_programs=num_programs, max_seq_len=700
         )
@@ -976,7 +978,7 @@ def _choice(monkeypatch, *, kv="per_tensor", preference=None, num_programs=None,
             q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens, plan=plan,
             sm_scale=None, kv_layout="NHD", sliding_window=None, out=None, **kw,
         )  # fmt: skip
-        family = api._pick_backend(
+        family = backend.pick_backend(
             "auto", checked, q, plan, uses=(), k_cache=cache.k_cache, v_cache=cache.v_cache,
             kv_layout="NHD", sliding_window=None,
         )  # fmt: skip
@@ -984,14 +986,14 @@ def _choice(monkeypatch, *, kv="per_tensor", preference=None, num_programs=None,
 
 
 def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
-    from pagedattn import api
+    from pagedattn import backend
     from pagedattn.launch import default_num_programs
 
-    hopper_grid = default_num_programs(DEVICE, NUM_KV_HEADS, api.HOPPER_PROGRAMS_PER_SM)
+    hopper_grid = default_num_programs(DEVICE, NUM_KV_HEADS, backend.HOPPER_PROGRAMS_PER_SM)
     plan, family = _choice(monkeypatch)
     assert family == "gluon" and plan.num_programs == hopper_grid
     # The length hint alone would give 64-token partitions here; the family's tile is 128.
-    assert plan.partition_size >= api.HOPPER_MIN_PARTITION
+    assert plan.partition_size >= backend.HOPPER_MIN_PARTITION
     # Gathered tiles and more query rows, either scale mode, bf16 caches, FP8 per-tensor at
     # head_dim 64: the Hopper family too.
     for kw in (

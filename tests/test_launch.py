@@ -74,7 +74,7 @@ def test_launch_config_takes_fp8_keys_as_stored_where_measured_faster(
 def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, monkeypatch):
     """The kernel takes FP8 keys as stored only for a bf16 query and without ``exact_qk``
     (the launch's constexprs, captured by a stand-in for the decode kernel)."""
-    import pagedattn.api as api
+    import pagedattn.families.portable as portable
 
     launched = []
 
@@ -82,9 +82,9 @@ def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, mon
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launched.append(kwargs)
 
-    monkeypatch.setattr(api, "_decode_kernel", Kernel())
-    monkeypatch.setattr(api, "reduce_partials", lambda *args, **kwargs: None)
-    monkeypatch.setattr(api, "pdl_enabled", lambda device: False)
+    monkeypatch.setattr(portable, "_decode_kernel", Kernel())
+    monkeypatch.setattr(portable, "ReduceStep", lambda *args, **kwargs: lambda *a: None)
+    monkeypatch.setattr(portable, "pdl_enabled", lambda device: False)
     # q_len 4 x 16 heads: 64 rows per kv head
     shape = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=16, query_len=4)
     fp8 = dict(kv_dtype=FP8, kv_scale="per_tensor")
@@ -333,13 +333,13 @@ def test_programs_per_sm_is_none_without_a_compiled_cuda_kernel():
     [(None, True), ("", True), ("1", True), (" On ", True), ("0", False), (" Off ", False)],
 )
 def test_pdl_switch_from_the_environment(value, expected):
-    from pagedattn.api import _pdl_from_env
+    from pagedattn.launch import _pdl_from_env
 
     assert _pdl_from_env(value) is expected
 
 
 def test_pdl_switch_warns_on_an_unknown_value():
-    from pagedattn.api import _pdl_from_env
+    from pagedattn.launch import _pdl_from_env
 
     with pytest.warns(UserWarning, match="PAGEDATTN_PDL: expected 1 or 0, got 'maybe'"):
         assert _pdl_from_env("maybe") is True
@@ -357,7 +357,7 @@ def test_decode_launches_early_only_when_its_programs_fill_every_sm(
     not at all for a grid that is not a multiple of the SM count."""
     import types
 
-    import pagedattn.api as api
+    import pagedattn.launch as launching
 
     asked = []
 
@@ -366,20 +366,20 @@ def test_decode_launches_early_only_when_its_programs_fill_every_sm(
             asked.append(kwargs)
             return "compiled"
 
-    monkeypatch.setattr(api, "programs_per_sm", lambda compiled: fits)
-    monkeypatch.setattr(api, "sm_count", lambda device: 132)
-    monkeypatch.setattr(api, "_programs_per_sm", {})
+    monkeypatch.setattr(launching, "programs_per_sm", lambda compiled: fits)
+    monkeypatch.setattr(launching, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launching, "_programs_per_sm", {})
     plan = types.SimpleNamespace(device=torch.device("cpu"), num_programs=num_programs)
     kernel = Kernel()
     launch = dict(BLOCK_N=128, num_warps=2)
     dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16)
     for _ in range(2):
-        assert api._pdl_places_evenly(kernel, (), launch, plan, dtypes) is early
+        assert launching.pdl_places_evenly(kernel, (), launch, plan, dtypes) is early
     if num_programs % 132:
         assert asked == []
     else:
         assert asked == [dict(launch, grid=(num_programs,), launch_pdl=True)]
         other = dict(launch, BLOCK_N=64)  # another specialisation asks again
-        api._pdl_places_evenly(kernel, (), other, plan, dtypes)
-        api._pdl_places_evenly(Kernel(), (), launch, plan, dtypes)  # and another kernel
+        launching.pdl_places_evenly(kernel, (), other, plan, dtypes)
+        launching.pdl_places_evenly(Kernel(), (), launch, plan, dtypes)  # and another kernel
         assert len(asked) == 3

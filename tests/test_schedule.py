@@ -452,13 +452,13 @@ def test_max_seq_len_must_be_a_positive_int():
         pagedattn.plan_decode(seq_lens, max_seq_len=5.0, **kw)
 
 
-def test_repeated_plans_reuse_the_compiled_launch(monkeypatch):
-    """plan_decode launches through the compiled kernel once a call compiled it (on a GPU):
-    one compiled kernel per program count, hit by the later plans, and every plan still
-    equals the NumPy twin."""
-    from pagedattn.api import _launch_schedule
+def test_repeated_plans_reuse_the_prepared_launch(monkeypatch):
+    """plan_decode prepares its launch once per call signature and reuses it: one prepared
+    launch per program count, hit by the later plans (on a GPU through the compiled kernel),
+    and every plan still equals the NumPy twin."""
+    from pagedattn import plan as planning
 
-    monkeypatch.setattr(_launch_schedule, "compiled", {})
+    monkeypatch.setattr(planning, "_PLAN_STEPS", {})
     rng = np.random.default_rng(11)
     for num_programs in (7, 8):
         for _ in range(3):
@@ -467,9 +467,12 @@ def test_repeated_plans_reuse_the_compiled_launch(monkeypatch):
                 lens, num_kv_heads=1, group=2, num_programs=num_programs, partition_size=16
             )
             check_matches_numpy(plan, lens, 16)
+    launches = [step.launch for step in planning._PLAN_STEPS.values()]
+    assert sorted(launch.constexprs["NUM_PROGRAMS"] for launch in launches) == [7, 8]
     if ON_GPU:
-        keys = list(_launch_schedule.compiled)
-        assert sorted(k[2][1] for k in keys) == [7, 8]  # NUM_PROGRAMS, one kernel each
+        assert all(launch.compiled is not None for launch in launches)
         # Programmatic dependent launch when on (the default) and the GPU has it (sm_90+).
-        pdl = pagedattn.api.pdl_enabled(torch.device(DEVICE))
-        assert all(k[-1] == pdl and k[2][-1] == pdl for k in keys)
+        pdl = pagedattn.launch.pdl_enabled(torch.device(DEVICE))
+        for launch in launches:
+            assert launch.constexprs["PDL"] == pdl
+            assert launch.options.get("launch_pdl", False) == pdl

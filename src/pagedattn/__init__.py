@@ -3,7 +3,6 @@
 __version__ = "0.1.0"
 
 from . import _backend  # noqa: F401  (before Triton: picks its interpreter without a GPU)
-from .api import paged_decode, plan_decode
 from .cache import (
     PagedCache,
     append_kv,
@@ -12,7 +11,8 @@ from .cache import (
     indptr_to_block_table,
     quantize_kv,
 )
-from .plan import DecodePlan, WorkItem
+from .decode import paged_decode
+from .plan import DecodePlan, WorkItem, plan_decode
 
 __all__ = [
     "DecodePlan",

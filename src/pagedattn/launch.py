@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import os
+import warnings
 
 import torch
+
+from ._kernels.common import interpreting, pdl_supported, programs_per_sm
 
 DEFAULT_PARTITION = 256  # tokens per partition (the seed's)
 # Programs per SM. Measured on the H200 (FP8, 16/1 heads, 128 x 8192, head_dim chunks of 64;
@@ -74,30 +79,101 @@ class ReduceLaunchConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunchConfig:
-    block_n: int  # KV tokens per tile (capped at the partition size)
+    """Tile shape and pipelining of the portable decode kernel, and the reducer's tile;
+    ``paged_decode(..., launch_config=)`` takes one (for tuners), :func:`decode_launch_config`
+    makes the default."""
+
+    block_n: int  #: KV tokens per tile (capped at the partition size)
     num_warps: int
     num_stages: int
-    tma: bool = True  # bulk tensor copies when a page holds a whole tile and strides allow
-    unmasked_loop: bool = True  # full tiles skip masks; only the tail tiles are masked
-    qk_fp16: bool = True  # a bf16 query meets FP8 keys in fp16 (exact; cheaper conversion)
-    # FP8 keys enter Q K^T as stored (e4m3 tensor cores), a bf16 query as two e4m3 terms;
-    # like qk_fp16, it applies to FP8 keys with a bf16 query only (ignored otherwise)
+    tma: bool = True  #: bulk tensor copies when a page holds a whole tile and strides allow
+    unmasked_loop: bool = True  #: full tiles skip masks; only the tail tiles are masked
+    qk_fp16: bool = True  #: a bf16 query meets FP8 keys in fp16 (exact; cheaper conversion)
+    #: FP8 keys enter Q K^T as stored (e4m3 tensor cores), a bf16 query as two e4m3 terms;
+    #: like qk_fp16, it applies to FP8 keys with a bf16 query only (ignored otherwise)
     qk_fp8: bool = False
-    # Q, K, V and the accumulator are cut along head_dim into chunks this wide (1, 2 or 4
-    # chunks), so one chunk of the converted K/V tile is live in registers at a time.
+    #: Q, K, V and the accumulator are cut along head_dim into chunks this wide (1, 2 or 4
+    #: chunks), so one chunk of the converted K/V tile is live in registers at a time.
     head_chunk: int = 64
-    maxnreg: int | None = None  # register cap per thread (more programs fit per SM; may spill)
-    # Pipeline stages of the masked tail loop (the last tile or two of a work): 2 issues a
-    # tile's K/V bulk copies together (a buffer of shared memory and more registers); 1
-    # needs no buffer and reads the masked tile with plain loads instead (a bulk copy
-    # outside a pipelined loop is waited for before the next is issued)
+    maxnreg: int | None = None  #: register cap per thread (more programs fit per SM; may spill)
+    #: Pipeline stages of the masked tail loop (the last tile or two of a work). 2 issues a
+    #: tile's K/V bulk copies together (a buffer of shared memory and more registers); 1
+    #: needs no buffer and reads the masked tile with plain loads instead (a bulk copy
+    #: outside a pipelined loop is waited for before the next is issued)
     tail_stages: int = 1
-    reduce: ReduceLaunchConfig | None = None  # None: reduce_launch_config's default
+    reduce: ReduceLaunchConfig | None = None  #: the reducer's tile (None takes the default)
 
 
 def default_grid_multiplier(rows: int) -> int:
     """Programs per SM for ``rows`` query rows per kv head (``query_len x group``)."""
     return SMALL_ROWS_GRID_MULTIPLIER if rows <= SMALL_ROWS else DEFAULT_GRID_MULTIPLIER
+
+
+# -- targets: what the launch configs depend on in a GPU --
+
+# Shared memory (LDS) one program may use on the AMD targets the portable family is built for
+# (CDNA3: MI300, gfx942; CDNA4: MI350, gfx950); ``scripts/kernel_digest.py --target`` checks it.
+AMD_SHARED_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+# AMD decode tile: 64 tokens, 4 waves (256 lanes), 2 stages (the AMD backend's default: K/V
+# tiles double-buffered in LDS). Chosen on build facts alone (nothing has run on AMD hardware):
+# the largest tile whose query_len-4 x 16-head builds for gfx942 keep off scratch and use at
+# most 24 KB of LDS (128-token tiles: 48 KB and scratch spills; `kernel_digest.py --target`).
+AMD_BLOCK_N = 64
+AMD_WARPS = 4
+AMD_STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The GPU kind a launch is made for, as far as the launch configs go: ``backend`` "cuda"
+    (NVIDIA; also the interpreter, which takes NVIDIA's configs) or "hip" (AMD), and ``arch``
+    ("sm_90", "gfx942", ...). AMD targets are wave64 and take neither bulk tensor copies nor
+    NVIDIA's inline assembly (programmatic dependent launch, trace stamps)."""
+
+    backend: str = "cuda"
+    arch: str = ""
+
+    @property
+    def amd(self) -> bool:
+        return self.backend == "hip"
+
+    @property
+    def warp_size(self) -> int:
+        return 64 if self.amd else 32
+
+    @property
+    def fnuz_type(self) -> bool:
+        """Whether Triton has an e4m3fnuz type (``tl.float8e4b8``) here: its AMD backend does
+        (native on gfx942), its NVIDIA backend and the interpreter do not."""
+        return self.amd
+
+    @property
+    def shared_bytes(self) -> int | None:
+        """Shared memory one program may use, where it is known (AMD_SHARED_BYTES)."""
+        return AMD_SHARED_BYTES.get(self.arch)
+
+
+@functools.cache
+def device_target(device: torch.device) -> Target:
+    """``device``'s Target: with a ROCm build of torch (``torch.version.hip``) an AMD GPU named
+    by the first field of its ``gcnArchName`` ("gfx942:sramecc+:xnack-" -> "gfx942"); a CUDA
+    GPU by its compute capability; the CPU (the interpreter) as NVIDIA."""
+    if device.type != "cuda" or interpreting():
+        return Target()
+    if torch.version.hip is not None:
+        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        return Target("hip", arch)
+    major, minor = torch.cuda.get_device_capability(device)
+    return Target("cuda", f"sm_{major}{minor}")
+
+
+def target_warps(warps: int, target: Target | None) -> int:
+    """The scheduler's and the reducer's ``warps`` (NVIDIA's 32 lanes, as measured on the H200)
+    on ``target`` with as many lanes: half as many wave64 warps on AMD (at least one), so a lane
+    holds the share of the tile it holds on NVIDIA (their tiles are sized in elements)."""
+    if target is None or target.warp_size == 32:
+        return warps
+    return max(1, warps * 32 // target.warp_size)
 
 
 def decode_launch_config(
@@ -107,6 +183,7 @@ def decode_launch_config(
     kv_dtype: torch.dtype,
     partition_size: int,
     kv_scale: str | None = None,
+    target: Target | None = None,
 ) -> DecodeLaunchConfig:
     """Tile shape for the decode kernel (the caller caps ``block_n`` at the partition size, and
     uses bulk copies only when a page holds a whole tile). Measured on the H200
@@ -126,12 +203,21 @@ def decode_launch_config(
     q_len 4 x 16 heads over the seed's shapes, 0.89-0.97x the time with per-token scales; per-tensor
     0.97x in geometric mean, from 0.91x (small batches) to 1.03-1.04x at the largest shapes
     (docs/performance-log.md, "Tile shapes and pipelining"). Not for <= 16 rows: 59 more registers
-    and 16 KB more shared memory would leave 3 programs per SM instead of 4."""
-    fp8 = kv_dtype == torch.float8_e4m3fn
+    and 16 KB more shared memory would leave 3 programs per SM instead of 4.
+
+    ``target`` (None: NVIDIA's configs, as above): an AMD one takes one tile for every step,
+    ``AMD_BLOCK_N`` tokens, ``AMD_WARPS`` waves and ``AMD_STAGES`` stages, with plain loads
+    (no bulk copies) and FP8 keys converted (no ``qk_fp8``). e4m3fnuz caches take e4m3fn's
+    configs but ``qk_fp8`` (its query terms are e4m3fn)."""
+    if target is not None and target.amd:
+        return DecodeLaunchConfig(
+            block_n=AMD_BLOCK_N, num_warps=AMD_WARPS, num_stages=AMD_STAGES, tma=False
+        )
+    fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
     block_n = 128 if head_dim <= 128 and fp8 else 64
     if rows <= SMALL_ROWS:
         return DecodeLaunchConfig(block_n=block_n, num_warps=2, num_stages=3)
-    qk_fp8 = fp8 and head_dim == 128 and 32 < rows <= 64
+    qk_fp8 = kv_dtype == torch.float8_e4m3fn and head_dim == 128 and 32 < rows <= 64
     stages = (4 if qk_fp8 and kv_scale == "per_token" else 5) if fp8 else 3
     return DecodeLaunchConfig(
         block_n=block_n, num_warps=4, num_stages=stages, qk_fp8=qk_fp8, tail_stages=2
@@ -161,7 +247,7 @@ def next_power_of_2(n: int) -> int:
 
 
 def reduce_launch_config(
-    *, rows: int, head_dim: int, records: int, sm_count: int
+    *, rows: int, head_dim: int, records: int, sm_count: int, target: Target | None = None
 ) -> ReduceLaunchConfig:
     """Reducer tile for ``records`` possible cut sequences (the plan's bound); at most 2048
     partial elements (rows x columns x partials) per step, not pipelined.
@@ -176,6 +262,7 @@ def reduce_launch_config(
     16 columns, so the merge spreads over many programs (q_len 4, 16 rows x 4: 64 x 8192 4.37 ->
     3.97 µs with 64 x 32 x 1, 16 x 32768 6.80 -> 5.05 with 16 x 16 x 8; steps 18 and 35).
     """
+    num_warps = target_warps(ReduceLaunchConfig.num_warps, target)
     all_rows = block_r = next_power_of_2(rows)
     block_d = head_dim
     if rows <= SMALL_ROWS:
@@ -203,7 +290,11 @@ def reduce_launch_config(
         while groups < REDUCE_RUNS and records * per_record * groups * 2 <= sm_count:
             groups *= 2
     return ReduceLaunchConfig(
-        block_r=block_r, block_d=block_d, slot_block=slot_block, groups=groups
+        block_r=block_r,
+        block_d=block_d,
+        slot_block=slot_block,
+        groups=groups,
+        num_warps=num_warps,
     )
 
 
@@ -258,9 +349,11 @@ def schedule_launch(
     num_programs: int,
     num_kv_heads: int,
     sm_count: int,
+    target: Target | None = None,
 ) -> ScheduleLaunch:
     """Resolves ``config`` (None: the defaults) for a step; raises ValueError where its
-    ``locals`` does not divide the programs of a kv head."""
+    ``locals`` does not divide the programs of a kv head. ``target``: see :func:`target_warps`
+    (None: NVIDIA's)."""
     config = config or ScheduleLaunchConfig()
     block_b = min(config.block, next_power_of_2(max(batch, 16)))
     locals_ = config.locals or schedule_locals(
@@ -277,7 +370,9 @@ def schedule_launch(
             f"({per_head})"
         )
     grid = num_programs // locals_
-    warps = config.warps or schedule_warps(block_b=block_b, num_programs=grid, sm_count=sm_count)
+    warps = config.warps or target_warps(
+        schedule_warps(block_b=block_b, num_programs=grid, sm_count=sm_count), target
+    )
     window = 0 if batch <= min(block_b, config.whole) else config.window
     return ScheduleLaunch(block_b=block_b, window=window, locals=locals_, warps=warps, grid=grid)
 
@@ -345,3 +440,123 @@ def default_num_programs(device: torch.device, num_kv_heads: int, grid_multiplie
     """SMs x multiplier, rounded up to a multiple of ``num_kv_heads``."""
     n = sm_count(device) * grid_multiplier
     return -(-n // num_kv_heads) * num_kv_heads
+
+
+def _pdl_from_env(value: str | None) -> bool:
+    """``PAGEDATTN_PDL``: unset, empty, 1/true/yes/on leave PDL on (the default); 0/false/no/off
+    turn it off; anything else leaves it on with a warning."""
+    text = (value or "").strip().lower()
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text not in ("", "1", "true", "yes", "on"):
+        warnings.warn(
+            f"PAGEDATTN_PDL: expected 1 or 0, got {value!r}; programmatic dependent launch "
+            "stays on",
+            stacklevel=2,
+        )
+    return True
+
+
+# Programmatic dependent launch (PDL) of the scheduler, the decode kernel and the reducer, on
+# sm_90+ unless PAGEDATTN_PDL=0 is in the environment: each kernel may launch while the one
+# before it finishes and waits for its results before reading anything. A persistent grid
+# launched early lands on whichever SMs are free, so the decode kernel is launched early only
+# where its programs fill every SM exactly (pdl_places_evenly; without that guard bf16 KV at
+# q_len 1, batch 128 ran 1.10-1.16x slower). Whole step with PDL against without, seed grid:
+# 0.981x in geometric mean; decode + reduce with the reducer on PDL: 0.93-1.00x
+# (`pagedattn bench` A/B, docs/performance-log.md, "Programmatic dependent launch").
+_PDL = _pdl_from_env(os.environ.get("PAGEDATTN_PDL"))
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether :func:`pagedattn.plan_decode`, :func:`pagedattn.paged_decode` and the reducer use
+    programmatic dependent launch on ``device``: on sm_90+ unless ``PAGEDATTN_PDL=0``
+    (benchmarks record it with their results). The decode kernel is then launched early only
+    where its grid fills every SM exactly."""
+    return _PDL and pdl_supported(device)
+
+
+def cache_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
+    """Strides as (page, slot, head, dim) whatever the layout."""
+    s = cache.stride()
+    return (s[0], s[1], s[2], s[3]) if kv_layout == "NHD" else (s[0], s[2], s[1], s[3])
+
+
+def scale_strides(scale: torch.Tensor | None, kv_layout: str) -> tuple[int, int, int]:
+    if scale is None or scale.dim() != 3:
+        return (0, 0, 0)
+    s = scale.stride()
+    return (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1])
+
+
+# Per decode-kernel specialisation: how many of its programs fit on one SM at once.
+_programs_per_sm: dict[tuple, int | None] = {}
+
+
+def pdl_places_evenly(kernel, args: tuple, launch: dict, plan, dtypes: tuple) -> bool:
+    """Whether a decode kernel (either family's) may be launched early (PDL) without uneven
+    SM shares: only when its programs fill every SM exactly (the grid is SMs x the programs
+    that fit on one), so wherever they are placed first, each SM ends with the same number.
+    Asks the CUDA occupancy API once per specialisation (compiling the early-launched
+    variant, ``kernel.warmup(*args, **launch, launch_pdl=True)``, without launching it).
+
+    The specialisation's key: the kernel, ``launch`` (its constexprs and options, in the
+    fixed order the caller builds them) and ``dtypes``, those of the query, the cache and the
+    output (the scales' and the LSE's follow from the constexprs); a few values, as this runs
+    on every call."""
+    sms = sm_count(plan.device)
+    if plan.num_programs % sms:
+        return False
+    key = (kernel, plan.device.index, *dtypes, *launch.values())
+    fits = _programs_per_sm.get(key, -1)
+    if fits == -1:
+        compiled = kernel.warmup(*args, grid=(plan.num_programs,), **launch, launch_pdl=True)
+        fits = _programs_per_sm[key] = programs_per_sm(compiled)
+    return fits is not None and fits * sms == plan.num_programs
+
+
+class BoundLaunch:
+    """One kernel launch fixed but for its runtime arguments: the kernel, grid, constexprs and
+    launch options. The first call goes through Triton's JIT (which compiles or finds the
+    kernel); later calls launch the compiled handle it returned, skipping the JIT's per-call
+    binding and cache lookup (host time: docs/performance-log.md, "Host time"). Under the
+    interpreter every call goes through the JIT.
+
+    A caller keeps one per call signature: everything Triton specialises the runtime arguments
+    on (dtypes, 16-byte alignment of tensors; the value of ints: 1, divisible by 16, 32 or 64
+    bits) must be fixed by that signature (``pagedattn.checks.tensor_key`` covers tensors;
+    the ints a caller passes follow from shapes and strides). Arguments are passed
+    positionally in the kernel's parameter order; the constexprs, all of them, by keyword
+    here, and the kernel takes them last.
+    """
+
+    __slots__ = ("compiled", "constexprs", "grid", "kernel", "options", "values")
+
+    def __init__(self, kernel, grid: tuple, *, num_warps: int, launch_pdl: bool = False, **named):
+        self.kernel = kernel
+        self.grid = tuple(grid)
+        self.options = {k: named.pop(k) for k in ("num_stages", "maxnreg") if k in named}
+        self.options["num_warps"] = num_warps
+        if launch_pdl:
+            self.options["launch_pdl"] = True
+        self.constexprs = named
+        self.values = ()
+        self.compiled = None
+
+    def __call__(self, *args) -> None:
+        compiled = self.compiled
+        if compiled is not None:
+            compiled[self.grid](*args, *self.values)
+            return
+        result = self.kernel[self.grid](*args, **self.constexprs, **self.options)
+        if not interpreting():
+            # The compiled handle takes the constexprs positionally, in parameter order.
+            self.values = tuple(self.constexprs[name] for name in _constexpr_names(self.kernel))
+            self.compiled = result
+
+
+@functools.cache
+def _constexpr_names(kernel) -> tuple[str, ...]:
+    # The same under the interpreter, whose kernels have no ``params``.
+    signature = inspect.signature(getattr(kernel, "fn", kernel))
+    return tuple(p.name for p in signature.parameters.values() if "constexpr" in str(p.annotation))

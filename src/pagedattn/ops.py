@@ -3,22 +3,21 @@
 Four ops in the ``pagedattn`` namespace, each with a fake (meta) implementation so that
 ``torch.compile(fullgraph=True)`` traces them without graph breaks:
 
-``torch.ops.pagedattn.refill_plan(seq_lens, metadata, batch, query_len, num_q_heads,
-num_kv_heads, head_dim, page_size, kv_dtype, kv_scale, num_programs, partition_size, ragged,
-batch_invariant, query_start_loc)``
-    Runs the scheduler of :func:`pagedattn.plan_decode` (``reuse=`` path) into the plan's
-    ``metadata`` tensor, in place (a mutating op); ``query_start_loc`` for a ragged plan.
-``torch.ops.pagedattn.paged_decode(q, k_cache, v_cache, block_table, seq_lens, metadata,
-partials, <plan sizes>, sm_scale, k_scale, v_scale, kv_layout, sliding_window, sinks,
-logits_soft_cap, query_start_loc, return_lse, debug, exact_qk) -> (out, lse)``
-    :func:`pagedattn.paged_decode` into a new ``out`` (q's dtype); ``lse`` is float32
-    ``[rows, heads]`` with ``return_lse``, else an empty ``[0]`` tensor.
-``torch.ops.pagedattn.paged_decode_out(..., out, lse)``
-    The same, written into the given ``out`` (and ``lse`` when it is not None).
-``torch.ops.pagedattn.append_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale,
-v_scale, kv_scale, debug)``
-    :func:`pagedattn.append_kv`, the step's cache write; it declares the caches and the
-    scales as mutated (per-token scales are written).
+- ``torch.ops.pagedattn.refill_plan(seq_lens, metadata, batch, query_len, num_q_heads,
+  num_kv_heads, head_dim, page_size, kv_dtype, kv_scale, num_programs, partition_size, ragged,
+  batch_invariant, query_start_loc)``: runs the scheduler of :func:`pagedattn.plan_decode`
+  (``reuse=`` path) into the plan's ``metadata`` tensor, in place (a mutating op);
+  ``query_start_loc`` for a ragged plan.
+- ``torch.ops.pagedattn.paged_decode(q, k_cache, v_cache, block_table, seq_lens, metadata,
+  partials, <plan sizes>, sm_scale, k_scale, v_scale, kv_layout, sliding_window, sinks,
+  logits_soft_cap, query_start_loc, return_lse, debug, exact_qk) -> (out, lse)``:
+  :func:`pagedattn.paged_decode` into a new ``out`` (q's dtype); ``lse`` is float32
+  ``[rows, heads]`` with ``return_lse``, else an empty ``[0]`` tensor.
+- ``torch.ops.pagedattn.paged_decode_out(..., out, lse)``: the same, written into the given
+  ``out`` (and ``lse`` when it is not None).
+- ``torch.ops.pagedattn.append_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale,
+  v_scale, kv_scale, debug)``: :func:`pagedattn.append_kv`, the step's cache write; it
+  declares the caches and the scales as mutated (per-token scales are written).
 
 The decode ops declare the plan's ``metadata`` (the kernels record faults there) and
 ``partials`` (scratch for split sequences) as mutated, so the compiler orders them after the
@@ -48,7 +47,8 @@ import warnings
 
 import torch
 
-from . import api, checks
+from . import checks, decode
+from . import plan as planning
 from .cache import append_kv as eager_append_kv
 from .plan import DecodePlan, allocate_plan, plan_sizes
 
@@ -157,7 +157,7 @@ def _refill_plan_op(*args) -> None:
         )
     # plan_decode's own arguments: the batch and raggedness follow from its tensors.
     del sizes["batch"], sizes["ragged"]
-    api.plan_decode(arg["seq_lens"], **sizes, reuse=plan, query_start_loc=query_start_loc)
+    planning.plan_decode(arg["seq_lens"], **sizes, reuse=plan, query_start_loc=query_start_loc)
 
 
 @_refill_plan_op.register_fake
@@ -190,7 +190,7 @@ def _chosen_sizes(batch: int, device: torch.device, ragged: bool, **arguments) -
     partition follow exactly the same rules and the same tuning table, and bad arguments
     raise its errors."""
     rows = torch.zeros(batch + 1, dtype=torch.int32, device=device) if ragged else None
-    plan = api.plan_decode(
+    plan = planning.plan_decode(
         torch.zeros(batch, dtype=torch.int32, device=device), **arguments, query_start_loc=rows
     )
     return plan.num_programs, plan.partition_size
@@ -235,7 +235,7 @@ def plan_decode(
         batch_invariant=batch_invariant,
     )
     if not torch.compiler.is_compiling():
-        return api.plan_decode(
+        return planning.plan_decode(
             seq_lens, **arguments, reuse=reuse, query_start_loc=query_start_loc, **options
         )
     batch, device = seq_lens.shape[0], seq_lens.device
@@ -266,7 +266,7 @@ def _decode(arg: dict, **more):
     keyword arguments), with a plan rebuilt around the op's buffers."""
     sizes = {name: arg.pop(name) for name in _PLAN_FIELDS}
     plan = _rebuild_plan(arg.pop("metadata"), arg.pop("partials"), sizes)
-    return api.paged_decode(**arg, **more, plan=plan)
+    return decode.paged_decode(**arg, **more, plan=plan)
 
 
 @_custom_op(
@@ -354,7 +354,7 @@ def paged_decode(
     :func:`pagedattn.paged_decode`; compiled ones raise."""
     if any(value is not None for value in options.values()):
         _check_options("paged_decode", options)
-        return api.paged_decode(
+        return decode.paged_decode(
             q,
             k_cache,
             v_cache,
@@ -491,8 +491,8 @@ def _register_substitutes() -> None:
         return append_kv(*args, **kwargs)
 
     for original, traceable in (
-        (api.paged_decode, traceable_paged_decode),
-        (api.plan_decode, traceable_plan_decode),
+        (decode.paged_decode, traceable_paged_decode),
+        (planning.plan_decode, traceable_plan_decode),
         (eager_append_kv, traceable_append_kv),
     ):
         try:

@@ -61,9 +61,35 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import checks
 from ._kernels import records, schedule
-from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN, AUTO_WHOLE_MAX_LEN
-from .launch import REDUCE_RUN_RECORDS, REDUCE_RUNS, next_power_of_2
+from ._kernels.schedule import (
+    AUTO_LARGE,
+    AUTO_SMALL,
+    AUTO_SMALL_MAX_LEN,
+    AUTO_WHOLE_MAX_LEN,
+    _schedule_invariant_kernel,
+    _schedule_kernel,
+)
+from .backend import HOPPER_MIN_PARTITION, HOPPER_PROGRAMS_PER_SM, hopper_plan, preferred_family
+from .checks import tensor_key
+from .launch import (
+    DEFAULT_PARTITION,
+    REDUCE_RUN_RECORDS,
+    REDUCE_RUNS,
+    BoundLaunch,
+    ScheduleLaunchConfig,
+    default_grid_multiplier,
+    default_num_programs,
+    default_partition,
+    device_name,
+    device_target,
+    next_power_of_2,
+    pdl_enabled,
+    schedule_launch,
+    sm_count,
+)
+from .tuning.table import TuningKey, cache_generation, lookup_grid, user_table_path
 
 WORK_FIELDS = records.WORK_FIELDS.value
 REDUCE_FIELDS = records.REDUCE_FIELDS.value
@@ -73,6 +99,10 @@ INVARIANT_MAX_CHUNKS = schedule.INVARIANT_MAX_CHUNKS.value
 
 
 class WorkItem(NamedTuple):
+    """One work of the list (:meth:`DecodePlan.work_items`): decode ``program`` attends
+    sequence ``seq``'s tokens ``token_start:token_end`` for ``kv_head``, into partial slot
+    ``partial_slot`` (-1: straight into ``out``)."""
+
     program: int
     seq: int
     kv_head: int
@@ -600,3 +630,338 @@ def schedule_numpy(
                 w += 1
     work_indptr[num_programs] = w
     return work_indptr, works, reduces
+
+
+def plan_decode(
+    seq_lens: torch.Tensor,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    query_len: int = 1,
+    kv_dtype: torch.dtype = torch.bfloat16,
+    kv_scale: str | None = None,
+    num_programs: int | None = None,
+    partition_size: int | None = None,
+    reuse: DecodePlan | None = None,
+    max_seq_len: int | None = None,
+    schedule_config: ScheduleLaunchConfig | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    batch_invariant: bool = False,
+) -> DecodePlan:
+    """Builds the work list of one decode step on the GPU, in one launch, without a host sync.
+
+    Parameters
+    ----------
+    seq_lens : torch.Tensor
+        ``[batch]`` int32 on the compute device: tokens of each sequence in the cache,
+        including its ``query_len`` new tokens. Read only on the device.
+    num_q_heads, num_kv_heads, head_dim, page_size, query_len : int
+        The step's shape; ``num_q_heads % num_kv_heads == 0``; ``head_dim`` in (64, 128, 256);
+        ``page_size`` a power of two in 1..4096.
+    kv_dtype : torch.dtype
+        ``torch.bfloat16``, ``torch.float16``, ``torch.float8_e4m3fn`` or
+        ``torch.float8_e4m3fnuz``.
+    kv_scale : {None, "per_tensor", "per_token"}
+        Scale mode of an FP8 cache (None for bf16/fp16).
+    num_programs : int, optional
+        Persistent grid size, a multiple of ``num_kv_heads``. Default: where the step will run
+        on the Hopper family (``backend="auto"`` on sm_90 for the steps it takes by
+        default, see ``paged_decode``'s ``backend``; or any step it covers inside
+        ``using_backend("gluon")``), two programs per SM (its kernel's occupancy) and
+        partitions of at least 128 tokens; else SMs x the
+        multiplier of the tuning table's row for this device and shape when ``max_seq_len`` is
+        given (see :mod:`pagedattn.tuning`), else four programs per SM when ``query_len x
+        group <= 16`` and two otherwise (measured best on the H200, see
+        docs/performance-log.md); rounded up to a multiple of ``num_kv_heads``.
+    partition_size : int, optional
+        Tokens per partition (the unit of load balance), a power of two >= 16. Default: the
+        tuning table's; else, with ``max_seq_len``, 256 or, when that shows 256-token
+        partitions would leave programs idle (small batches of short sequences), a size in
+        64..512 that gives about one partition per program
+        (:func:`pagedattn.launch.default_partition`); else the scheduler picks 128, 256 or
+        one partition a sequence on the GPU each step from the lengths (the plan's
+        ``partition_size`` is then None; :func:`pagedattn.plan.auto_partition_size` states
+        the rule).
+    reuse : DecodePlan, optional
+        A plan made earlier for the same sizes whose buffers are refilled instead of allocating
+        new ones (what a serving loop does every step). ``num_programs`` and
+        ``partition_size``, where not given, are the plan's own: a refill keeps its grid and
+        partition whatever ``max_seq_len`` or the ``using_backend`` preference say now.
+    max_seq_len : int, optional
+        A host-side bound on ``seq_lens`` (engines know it without reading the GPU). It only
+        selects the tuning table's context bucket for the grid size and the default partition
+        size; nothing is checked against it, and leaving it out never syncs either.
+    schedule_config : ScheduleLaunchConfig, optional
+        The scheduler's launch parameters (for tests and benchmarks); default
+        ``ScheduleLaunchConfig()``, resolved per step by
+        :func:`pagedattn.launch.schedule_launch`.
+    query_start_loc : torch.Tensor, optional
+        ``[batch + 1]`` int32 on the device (vLLM's name), for ragged new tokens: sequence
+        ``b``'s query rows are ``query_start_loc[b] : query_start_loc[b + 1]`` and
+        ``query_len`` is the most any sequence has (a host-side bound). Read only on the
+        device: the scheduler checks each sequence's rows (a range of q's rows after every
+        earlier sequence's, at most ``query_len`` of them, no more than its length) and
+        records them; :func:`paged_decode` must then get the same tensor, whose rows are
+        compared with the recorded ones (see its Notes, Robustness).
+    batch_invariant : bool
+        Make every sequence's result independent of the rest of the batch, the batch size
+        and the grid: each sequence is cut into chunks that depend only on its length
+        (partition_size times a power of two tokens, at most
+        ``pagedattn.plan.INVARIANT_MAX_CHUNKS`` of them), one work each; a sequence of
+        several chunks always goes through the reducer, with a fixed tile. The partition
+        size is then fixed: ``partition_size``, default 256 (the tuning table's and the
+        length-based choices are not used); the grid may still come from the table. The
+        price: sequences are cut (and merged) even where a plan for the batch would not cut
+        them, a long sequence uses at most that many programs per kv head, and the partial
+        buffers hold ``batch x INVARIANT_MAX_CHUNKS`` partials per kv head.
+
+    Returns
+    -------
+    DecodePlan
+        Device tensors only. Its sizes depend on batch, program count, query length and heads
+        (and on ``query_start_loc`` being given, and ``batch_invariant``), never on the values
+        of ``seq_lens``, so this call may be captured in a CUDA graph.
+    """
+    try:
+        # The fast path: a call like an earlier one (the same tensor shapes, strides, dtypes,
+        # devices and alignment, and the same options) reuses its checked, prepared launch.
+        scalars = (
+            num_q_heads, num_kv_heads, head_dim, page_size, query_len, num_programs,
+            partition_size, max_seq_len, batch_invariant,
+        )  # fmt: skip
+        key = (
+            tensor_key(seq_lens),
+            tensor_key(query_start_loc),
+            scalars,
+            tuple(map(type, scalars)),
+            kv_dtype,
+            kv_scale,
+            schedule_config,
+            None if reuse is None else reuse.sizes_key,
+            preferred_family(),
+            None if max_seq_len is None else (user_table_path(), cache_generation()),
+        )
+        step = _PLAN_STEPS.get(key)
+    except (AttributeError, TypeError):  # not a tensor, not a plan, unhashable: full checks
+        key = step = None
+    if step is None:
+        step = _plan_step(
+            seq_lens,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            query_len=query_len,
+            kv_dtype=kv_dtype,
+            kv_scale=kv_scale,
+            num_programs=num_programs,
+            partition_size=partition_size,
+            reuse=reuse,
+            max_seq_len=max_seq_len,
+            schedule_config=schedule_config,
+            query_start_loc=query_start_loc,
+            batch_invariant=batch_invariant,
+        )
+        if key is not None:
+            if len(_PLAN_STEPS) >= MAX_SIGNATURES:
+                _PLAN_STEPS.clear()
+            _PLAN_STEPS[key] = step
+    plan = reuse if reuse is not None else allocate_plan(**step.sizes)
+    step.launch(
+        seq_lens,
+        query_start_loc if query_start_loc is not None else seq_lens,  # read if RAGGED
+        plan.metadata,
+        *step.ints,
+    )
+    return plan
+
+
+# Prepared scheduler launches by call signature (see ``plan_decode``'s fast path).
+_PLAN_STEPS: dict[tuple, PlanStep] = {}
+# Call signatures kept per entry point before the oldest are forgotten (an engine meets one
+# per batch size and shape).
+MAX_SIGNATURES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStep:
+    """A scheduler launch prepared for one call signature of :func:`plan_decode`: the plan's
+    sizes (for a fresh plan), the launch and its integer arguments."""
+
+    sizes: dict
+    launch: BoundLaunch
+    ints: tuple
+
+
+def _plan_step(
+    seq_lens,
+    *,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    query_len,
+    kv_dtype,
+    kv_scale,
+    num_programs,
+    partition_size,
+    reuse,
+    max_seq_len,
+    schedule_config,
+    query_start_loc,
+    batch_invariant,
+) -> PlanStep:
+    """:func:`plan_decode`'s full path: checks the arguments (raising the clear errors), makes
+    every choice (grid, partition, family) and prepares the scheduler's launch."""
+    num_q_heads, num_kv_heads, head_dim, page_size, query_len = map(
+        checks.plain_number, (num_q_heads, num_kv_heads, head_dim, page_size, query_len)
+    )
+    num_programs, partition_size, max_seq_len = map(
+        checks.plain_number, (num_programs, partition_size, max_seq_len)
+    )
+    batch = checks.check_plan_args(
+        seq_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        query_len=query_len,
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
+        num_programs=num_programs,
+        partition_size=partition_size,
+        max_seq_len=max_seq_len,
+        query_start_loc=query_start_loc,
+        batch_invariant=batch_invariant,
+    )
+    device = seq_lens.device
+    ragged = query_start_loc is not None
+    # A refill keeps the grid and partition of the plan it refills, unless they are given.
+    kept_partition = isinstance(reuse, DecodePlan) and partition_size is None
+    if isinstance(reuse, DecodePlan):
+        num_programs = reuse.num_programs if num_programs is None else num_programs
+        partition_size = reuse.partition_size if kept_partition else partition_size
+    if batch_invariant and partition_size is None and not kept_partition:
+        # Fixed: neither the table's nor the lengths' choice (both follow the batch).
+        partition_size = DEFAULT_PARTITION
+    hopper = hopper_plan(
+        device,
+        ragged=ragged,
+        batch_invariant=batch_invariant,
+        kv_dtype=kv_dtype,
+        kv_scale=kv_scale,
+        query_len=query_len,
+        head_dim=head_dim,
+        page_size=page_size,
+        group=num_q_heads // num_kv_heads,
+    )
+    if num_programs is None and hopper:
+        # The Hopper family's grid; the tuning table's rows are the portable family's.
+        num_programs = default_num_programs(device, num_kv_heads, HOPPER_PROGRAMS_PER_SM)
+    elif num_programs is None:
+        multiplier, tuned_partition = None, None
+        if max_seq_len is not None:
+            multiplier, tuned_partition = lookup_grid(
+                TuningKey.from_batch(
+                    device_name=device_name(device),
+                    sm_count=sm_count(device),
+                    query_len=query_len,
+                    num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    page_size=page_size,
+                    kv_dtype=kv_dtype,
+                    kv_scale=kv_scale,
+                    batch_size=max(batch, 1),
+                    max_seq_len=max_seq_len,
+                )
+            )
+        if multiplier is None:
+            multiplier = default_grid_multiplier(query_len * (num_q_heads // num_kv_heads))
+        num_programs = default_num_programs(device, num_kv_heads, multiplier)
+        # A table row may name any power of two; the kernel's tiles need >= MIN_PARTITION.
+        if partition_size is None and (tuned_partition or 0) >= checks.MIN_PARTITION:
+            partition_size = tuned_partition
+    if partition_size is None and max_seq_len is not None and not kept_partition:
+        partition_size = default_partition(
+            batch=batch,
+            max_seq_len=max_seq_len,
+            programs_per_head=num_programs // num_kv_heads,
+        )
+        if hopper:
+            partition_size = max(partition_size, HOPPER_MIN_PARTITION)
+    key = (
+        batch,
+        query_len,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        kv_dtype,
+        kv_scale,
+        num_programs,
+        partition_size,
+        device,
+        ragged,
+        batch_invariant,
+    )
+    if reuse is not None:
+        if not isinstance(reuse, DecodePlan):
+            raise TypeError(f"reuse: expected a DecodePlan, got {type(reuse).__name__}")
+        if reuse.sizes_key != key:
+            diff = [
+                (name, want, got)
+                for name, want, got in zip(DecodePlan.SIZE_FIELDS, key, reuse.sizes_key)
+                if want != got
+            ]
+            want = ", ".join(f"{name}={w!r}" for name, w, _ in diff)
+            have = ", ".join(f"{name}={g!r}" for name, _, g in diff)
+            raise ValueError(f"reuse: expected a plan made for {want}, got one with {have}")
+    sizes = dict(zip(DecodePlan.SIZE_FIELDS, key))
+    max_works, _, max_reduces = plan_sizes(batch, num_programs, num_kv_heads, batch_invariant)
+    launch = schedule_launch(
+        schedule_config,
+        batch=batch,
+        num_programs=num_programs,
+        num_kv_heads=num_kv_heads,
+        sm_count=sm_count(device),
+        target=device_target(device),
+    )
+    pdl = pdl_enabled(device)
+    ints = (batch, max_works, max_reduces, query_len, records.max_seq_len_supported(batch))
+    if batch_invariant:
+        # One scheduler program per program of a kv head (it serves that program of every
+        # head), each scanning the whole batch.
+        bound = BoundLaunch(
+            _schedule_invariant_kernel,
+            (num_programs // num_kv_heads,),
+            num_warps=launch.warps,
+            launch_pdl=pdl,
+            PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
+            NUM_PROGRAMS=num_programs,
+            GROUP=num_q_heads // num_kv_heads,
+            PARTITION_SHIFT=partition_size.bit_length() - 1,
+            BLOCK_B=launch.block_b,
+            RAGGED=ragged,
+            PDL=pdl,
+        )
+    else:
+        bound = BoundLaunch(
+            _schedule_kernel,
+            (launch.grid,),
+            num_warps=launch.warps,
+            launch_pdl=pdl,
+            PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
+            NUM_PROGRAMS=num_programs,
+            GROUP=num_q_heads // num_kv_heads,
+            PARTITION_SHIFT=(partition_size or 1).bit_length() - 1,  # 0: the scheduler picks it
+            BLOCK_B=launch.block_b,
+            SINGLE_BLOCK=batch <= launch.block_b,
+            WINDOW=launch.window,
+            LOCALS=launch.locals,
+            RAGGED=ragged,
+            PDL=pdl,
+        )
+    return PlanStep(sizes=sizes, launch=bound, ints=ints)

@@ -18,9 +18,10 @@ import random
 
 import torch
 
-from . import api
 from ._kernels import records
 from .cache import FP8_DTYPE, PagedCache, build_paged_cache
+from .decode import paged_decode
+from .plan import plan_decode
 from .reference import paged_decode_torch, rel_error
 
 CORRUPTIONS = (
@@ -362,11 +363,11 @@ def run_case(case: Case, block_table: torch.Tensor | None = None):
     ``(out, lse, faults)`` with the faults as ``{seq: code}``."""
     g = case.geometry
     device = case.q.device
-    plan = api.plan_decode(
+    plan = plan_decode(
         torch.tensor(case.plan_lens, dtype=torch.int32, device=device), **plan_options(g)
     )
     out = torch.full_like(case.q, POISON)
-    out, lse = api.paged_decode(
+    out, lse = paged_decode(
         case.q,
         case.k_cache,
         case.v_cache,

@@ -125,13 +125,13 @@ class PagedAttnProvider(Provider):
     def available(self) -> tuple[bool, str]:
         if self.backend != "gluon":
             return True, ""
-        reason = pagedattn.api._hopper_reason(torch.device("cuda"))
+        reason = pagedattn.backend.hopper_reason(torch.device("cuda"))
         return reason is None, f"the Hopper family needs {reason}"
 
     def supports(self, case: Case) -> tuple[bool, str]:
         if self.backend != "gluon":
             return True, ""
-        reason = pagedattn.api._hopper_shape_reason(
+        reason = pagedattn.backend.hopper_shape_reason(
             kv_dtype=KV_DTYPES[case.kv_dtype],
             query_len=case.query_len,
             head_dim=case.head_dim,
@@ -150,7 +150,7 @@ class PagedAttnProvider(Provider):
             plan_args["max_seq_len"] = max(case.seq_lens())
         seq_lens, q, table = inputs.seq_lens, inputs.q, inputs.block_table
         # Plans made for the family asked for (its grid): pagedattn-gluon's, two programs an SM.
-        with pagedattn.api.using_backend(self.backend):
+        with pagedattn.backend.using_backend(self.backend):
             plan = pagedattn.plan_decode(seq_lens, **plan_args)
         out = torch.empty_like(q)
 

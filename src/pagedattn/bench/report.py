@@ -34,7 +34,7 @@ ENV_COLUMNS = [
     "torch",
     "triton",
     "pagedattn",
-    "pdl",  # programmatic dependent launch in effect (pagedattn.api.pdl_enabled)
+    "pdl",  # programmatic dependent launch in effect (pagedattn.launch.pdl_enabled)
     "flashinfer",
     "date",
 ]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import pagedattn
-from pagedattn.api import pdl_enabled
+from pagedattn.launch import pdl_enabled
 from pagedattn.reference import rel_error
 
 from . import report

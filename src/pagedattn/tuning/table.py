@@ -8,9 +8,9 @@ A file is a schema line, a header, then one row per key::
 
 The first eleven columns (``KEY_COLUMNS``) are the key: the device
 (``torch.cuda.get_device_name()``, compared through :func:`device_slug`) and its SM count, the
-step's shape (``kv_dtype``: ``bf16``, ``fp16`` or ``fp8_e4m3``; ``kv_scale``: ``none``,
-``per_tensor`` or ``per_token``) and the workload's buckets (:func:`bucket` of the batch size
-and of the longest sequence). Then the tuned ``grid_multiplier`` (``num_programs = sm_count *
+step's shape (``kv_dtype``: ``bf16``, ``fp16``, ``fp8_e4m3`` or ``fp8_e4m3fnuz``; ``kv_scale``:
+``none``, ``per_tensor`` or ``per_token``) and the workload's buckets (:func:`bucket` of the batch
+size and of the longest sequence). Then the tuned ``grid_multiplier`` (``num_programs = sm_count *
 grid_multiplier``) and ``partition_size`` (empty: the planner's), the measured ``tuned_us`` and
 ``default_us``, and the provenance: ``pagedattn_version`` (its major.minor must match the
 library's), ``triton_version`` and ``date`` (ISO). Columns may come in any order; cells are read
@@ -97,11 +97,17 @@ _POWERS_OF_TWO = {"batch_bucket", "context_bucket", "partition_size"}
 _COUNTS = {*KEY_COLUMNS[1:7], *_POWERS_OF_TWO, "grid_multiplier"}
 _TIMES = {"tuned_us", "default_us"}
 _CHOICES = {
-    "kv_dtype": ("bf16", "fp16", "fp8_e4m3"),
+    "kv_dtype": ("bf16", "fp16", "fp8_e4m3", "fp8_e4m3fnuz"),
     "kv_scale": ("none", "per_tensor", "per_token"),
 }
 # torch dtype names (what the planner passes), and None for "no scales".
-_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8_e4m3", "": "none"}
+_ALIASES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e4m3fnuz": "fp8_e4m3fnuz",
+    "": "none",
+}
 _VERSION = re.compile(r"(\d+)\.(\d+)")
 _DATE = re.compile(r"\d{4}-\d\d-\d\d")
 _SCHEMA = re.compile(r"#\s*pagedattn-tuning\s+v(\d+)", re.IGNORECASE)
@@ -432,8 +438,20 @@ def _answer(key: TuningKey, user: str, shipped: str) -> tuple[int | None, int | 
     return best
 
 
+# Bumped by ``clear_cache``: callers that keep choices made from the tables (the planner's
+# prepared launches) key them on it.
+_generation = 0
+
+
+def cache_generation() -> int:
+    """How many times the tables' cache has been cleared (``clear_cache``, ``upsert``)."""
+    return _generation
+
+
 def clear_cache() -> None:
     """Forget the tables read and the answers given (and so re-arm the warnings)."""
+    global _generation
+    _generation += 1
     _usable.cache_clear()
     _answer.cache_clear()
 

@@ -1,0 +1,138 @@
+"""The split reducer's launch, shared by both kernel families: merges the partials of sequences
+cut across programs into ``out`` in a fixed order (deterministic)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._kernels.reduce import _reduce_kernel
+from ..launch import (
+    REDUCE_RUN_RECORDS,
+    BoundLaunch,
+    ReduceLaunchConfig,
+    device_target,
+    invariant_reduce_config,
+    pdl_enabled,
+    reduce_launch_config,
+    sm_count,
+)
+from ..plan import DecodePlan, run_slots
+
+
+class ReduceStep:
+    """The reducer's launch prepared for one call signature (the plan's sizes, ``out``'s and
+    ``lse``'s shapes and strides, sinks and ragged rows or not); called with that call's
+    tensors. A plan that can cut no sequence (``max_reduces == 0``) launches nothing."""
+
+    __slots__ = ("args", "launch")
+
+    def __init__(
+        self,
+        plan: DecodePlan,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        config: ReduceLaunchConfig | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+    ):
+        self.launch = None
+        if plan.max_reduces == 0:
+            return
+        rows = plan.rows
+        if config is not None:
+            red = config
+        elif plan.batch_invariant:
+            red = invariant_reduce_config(rows=rows, head_dim=plan.head_dim)
+        else:
+            red = reduce_launch_config(
+                rows=rows,
+                head_dim=plan.head_dim,
+                records=plan.max_reduces,
+                sm_count=sm_count(out.device),
+                target=device_target(out.device),
+            )
+        red.check(plan.head_dim, rows)
+        if red.groups > 1 and not run_slots(plan.max_reduces, plan.batch_invariant):
+            raise ValueError(
+                f"launch_config.reduce: groups={red.groups} needs a plan of at most "
+                f"{REDUCE_RUN_RECORDS} records that is not batch-invariant (it keeps the runs' "
+                f"partials), got one of {plan.max_reduces} records"
+                + (", batch-invariant" if plan.batch_invariant else "")
+            )
+        pdl = pdl_enabled(out.device)
+        self.launch = BoundLaunch(
+            _reduce_kernel,
+            (plan.max_reduces * red.groups, -(-rows // red.block_r), plan.head_dim // red.block_d),
+            num_warps=red.num_warps,
+            launch_pdl=pdl,
+            QUERY_LEN=plan.query_len,
+            GROUP=plan.group,
+            HEAD_DIM=plan.head_dim,
+            BLOCK_R=red.block_r,
+            BLOCK_D=red.block_d,
+            SLOT_BLOCK=red.slot_block,
+            NUM_STAGES=red.num_stages,
+            GROUPS=red.groups,
+            WRITE_LSE=lse is not None,
+            HAS_SINKS=sinks is not None,
+            RAGGED=plan.ragged,
+            PDL=pdl,
+        )
+        # The integer arguments: fixed by the plan's sizes and out's and lse's strides.
+        self.args = (
+            plan.reduces_offset,
+            plan.run_counts_offset,
+            plan.lse_offset,
+            plan.run_slot,
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0) if lse is not None else 0,
+            out.shape[0],
+            plan.planned_rows_offset,
+        )
+
+    def __call__(self, plan, out, lse, sinks, query_start_loc) -> None:
+        launch = self.launch
+        if launch is None:
+            return
+        reduces, counts, lse_offset, run_slot, out_tok, out_head, lse_tok, rows, planned = self.args
+        metadata = plan.metadata
+        partials = plan.partials
+        launch(
+            metadata,
+            reduces,
+            counts,
+            partials,
+            lse_offset,
+            run_slot,
+            out,
+            out_tok,
+            out_head,
+            lse if lse is not None else out,  # never written when WRITE_LSE is False
+            lse_tok,
+            query_start_loc if query_start_loc is not None else metadata,  # read if RAGGED
+            rows,
+            planned,
+            sinks if sinks is not None else partials,  # read if HAS_SINKS
+        )
+
+
+def reduce_partials(
+    plan: DecodePlan,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    config: ReduceLaunchConfig | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+) -> None:
+    """Launches the split reducer alone: merges the partials the decode kernel left in
+    ``plan`` into ``out`` (and ``lse``), adding each head's sink (``sinks``) once per cut
+    sequence and placing rows by ``query_start_loc`` for a ragged plan. Benchmarks time it by
+    itself; it checks no arguments. ``config`` None:
+    :func:`pagedattn.launch.reduce_launch_config`, or for a batch-invariant plan
+    :func:`pagedattn.launch.invariant_reduce_config`. A plan that can cut no sequence
+    (``max_reduces == 0``) launches nothing."""
+    step = ReduceStep(plan, out, lse, config, sinks=sinks, query_start_loc=query_start_loc)
+    step(plan, out, lse, sinks, query_start_loc)
