@@ -19,7 +19,7 @@ its host half (scope, variants, launch) is ``pagedattn.families.hopper``. Warp-s
   tile's V to fp16 in one shared buffer, while the compute warpgroup runs the tile's Q K^T and
   softmax (in the other forms they return at once);
 - :mod:`.common`: what every role shares (a work's bounds and length checks, page-id checks,
-  the grid dependency).
+  the grid dependency); :mod:`.layouts`: the register layouts, each made in one place.
 
 Two forms of the MMAs (constexpr ``TRANSPOSED``): up to 16 query rows, S^T = K Q^T and O^T =
 V^T P^T with the rows as N (padded to ``R`` = 8 or 16; row sums kept per thread, P through

@@ -18,6 +18,7 @@ from ..records import (
 )
 
 NUM_WARPS = 4  # the compute warpgroup (the launch's num_warps), which its layouts are made for
+COMPUTE_WARPS = gl.constexpr(NUM_WARPS)  # the same, for the kernel's code
 # The rows form's converter partition (FP8 V to fp16 for the P V MMA): two warps beside the
 # load warp in the second warpgroup, which takes the larger register count of the two.
 CONVERT_WARPS = gl.constexpr(2)

@@ -12,8 +12,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import globaltimer, smid
 from ..decode import TRACE_SLOTS, TRACE_WORKS
-from .common import clamped_page, release_dependents, wait_for_prior_grid, work_bounds
+from .common import (
+    COMPUTE_WARPS,
+    clamped_page,
+    release_dependents,
+    wait_for_prior_grid,
+    work_bounds,
+)
 from .epilogue import epilogue
+from .layouts import lanes_layout, mma_layout, rows_layout
 
 
 @gluon.jit
@@ -349,20 +356,14 @@ def compute_partition(
     KW: gl.constexpr = 32 - 16 * KV16  # the MMAs' K step: 32 bytes
     TOK_AXIS: gl.constexpr = 1 - TRANSPOSED  # of the scores (and the head_dim of O)
     ROW_AXIS: gl.constexpr = TRANSPOSED
+    # Scores (s_l) and the accumulator (o_l): the MMAs' N is the query rows in the transposed
+    # form, else a tile's tokens and head_dim.
     if TRANSPOSED:
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, KW]
-        )
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16]
-        )
+        s_l: gl.constexpr = mma_layout(R, KW)
+        o_l: gl.constexpr = mma_layout(R, 16)
     else:
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, KW]
-        )
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-        )
+        s_l: gl.constexpr = mma_layout(BLOCK, KW)
+        o_l: gl.constexpr = mma_layout(D, 16)
     # The transposed form's FP8 V^T as the P V MMA's A operand, in registers.
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     # Tokens of it a part: half a tile with gathered tiles (with per-token scales, their page
@@ -377,11 +378,10 @@ def compute_partition(
     SCALES_AHEAD: gl.constexpr = PAGE_SIZE < BLOCK
     tok_l: gl.constexpr = gl.SliceLayout(ROW_AXIS, s_l)
     row_l: gl.constexpr = gl.SliceLayout(TOK_AXIS, s_l)
-    # 16 values of head_dim a thread, 128 columns a warp (64 with head_dim 64).
-    COLS: gl.constexpr = 8 - 4 * (D == 64)
-    blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [4, 1], [1, 0])
-    # Page ids of a gathered tile, one token a thread.
-    pg_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    blk: gl.constexpr = rows_layout(D, COMPUTE_WARPS)  # the query; a 16-bit V tile's tail
+    pg_l: gl.constexpr = lanes_layout(
+        COMPUTE_WARPS
+    )  # page ids of a gathered tile, a token a thread
     if TRACE:
         # Profiling stamps (see TRACE_SLOTS): start, end, SM, then per work of the first
         # TRACE_WORKS its start, its first tile's K in the slot and its epilogue.

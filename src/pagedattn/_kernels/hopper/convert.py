@@ -6,6 +6,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .common import CONVERT_WARPS, wait_for_prior_grid, work_bounds
+from .layouts import rows_layout
 
 
 @gluon.jit
@@ -50,8 +51,7 @@ def convert_partition(
     which also waits for the compute warpgroup's K)."""
     # Other forms read V themselves: these warps leave at once.
     if CONVERT:
-        COLS: gl.constexpr = 8 - 4 * (D == 64)
-        cl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [CONVERT_WARPS, 1], [1, 0])
+        cl: gl.constexpr = rows_layout(D, CONVERT_WARPS)
         wait_for_prior_grid()
         pid = gl.program_id(0)
         work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)

@@ -7,6 +7,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..records import FAULT_PAGE_ID, WORK_FIELDS, WORK_SEQ, WORK_TOKEN_END, WORK_TOKEN_START
 from .common import bad_page, wait_for_prior_grid, work_bounds
+from .layouts import lanes_layout
 
 
 @gluon.jit
@@ -65,7 +66,7 @@ def load_partition(
     as two halves of the whole tile (the 128-byte swizzle's span)."""
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
     BOX_D: gl.constexpr = k_desc.block_type.shape[3]  # a copy's head_dim, in its elements
-    ids_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # a page id a lane
+    ids_l: gl.constexpr = lanes_layout(1)  # a page id a lane
     wait_for_prior_grid()
     pid = gl.program_id(0)
     work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
