@@ -5,10 +5,11 @@ Caches start as random bytes (the poison): a slot no token goes to must keep the
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, run_compiled
 
 import pagedattn
 from pagedattn import checks
@@ -463,7 +464,7 @@ def test_fp8_rounding_is_torchs(fp8, gen):
 @pytest.mark.parametrize("fp8", [FN, FNUZ], ids=["fn", "fnuz"])
 def test_twin_saturates_then_rounds_as_torch(fp8):
     """The twin's FP8 rounding is torch's ``.to(fp8)``, after saturating at the format's
-    largest value (torch's own cast gives NaN past it, for e4m3fn)."""
+    largest value (torch's own cast need not saturate: e4m3fnuz's gives NaN past 240)."""
     largest = torch.finfo(fp8).max
     values = torch.tensor([0.0, -0.0, 1e-9, -3e-3, 1.0625, 250.0, -239.9, 447.0, 460.0, 1e4, -7e4])
     x = torch.cat([values, torch.zeros(64 - 11)]).reshape(1, 1, 64).to(FP16)
@@ -479,3 +480,56 @@ def test_twin_saturates_then_rounds_as_torch(fp8):
     assert bool(saturated.any())
     assert torch.equal(got[saturated].float().abs(), torch.full((int(saturated.sum()),), largest))
     assert not bool(got.float().isnan().any())
+
+
+# -- builds for GPUs -----------------------------------------------------------------------------
+
+_BUILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from pagedattn._kernels.append import _append_kv_kernel
+
+asm = []
+for target, cache, source, slots, (fp8_max, bias, negative_zero), per_token in json.loads(
+    sys.argv[1]
+):
+    constexprs = dict(
+        NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=fp8_max > 0,
+        PER_TOKEN=per_token, FP8_MAX=fp8_max, EXPONENT_BIAS=bias, NEGATIVE_ZERO=negative_zero,
+    )
+    pointers = dict(
+        k_ptr=source, v_ptr=source, k_cache_ptr=cache, v_cache_ptr=cache,
+        k_scale_ptr="*fp32", v_scale_ptr="*fp32", slot_mapping_ptr=slots,
+    )
+    signature = {
+        name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+        for name in _append_kv_kernel.arg_names
+    }
+    source = triton.compiler.ASTSource(_append_kv_kernel, signature, constexprs=constexprs)
+    built = triton.compile(source, target=GPUTarget(*target), options={"num_warps": 4})
+    asm.append(built.asm.get("ptx") or built.asm["amdgcn"])
+print(json.dumps(asm))
+"""
+
+
+def test_kernel_builds_for_nvidia_and_amd():
+    """The compiled kernel, not the interpreter: built on the CPU for sm_90 (e4m3fn as
+    Triton's fp8 type), sm_80 (FP8 caches as bytes, as append_kv passes them where Triton has
+    no type for the format) and MI300 (gfx942), with IEEE division (``div_rn``: the twin's
+    bytes) and never an approximate one."""
+    fn, fnuz, none = (448.0, 7, True), (240.0, 8, False), (0.0, 0, True)
+    cases = [
+        (("cuda", 90, 32), "*bf16", "*bf16", "*i64", none, False),
+        (("cuda", 90, 32), "*fp8e4nv", "*fp16", "*i32", fn, True),
+        (("cuda", 80, 32), "*u8", "*bf16", "*i64", fnuz, False),
+        (("hip", "gfx942", 64), "*u8", "*bf16", "*i64", fnuz, True),
+    ]
+    built = json.loads(run_compiled(_BUILD, json.dumps(cases)))
+    for (target, *_, (fp8_max, _, _), _), asm in zip(cases, built, strict=True):
+        if fp8_max == 0:
+            continue  # a 16-bit cache: a copy, no division
+        if target[0] == "cuda":
+            assert "div.rn.f32" in asm and "div.full" not in asm and "div.approx" not in asm
+        else:
+            assert "v_div_fixup_f32" in asm  # the correctly rounded division sequence

@@ -427,17 +427,12 @@ _APPEND_TILE = 4096
 class AppendStep:
     """An :func:`append_kv` launch prepared for one call signature: the bound launch (None
     when there is nothing to write: no tokens or no heads, or a cache of no slots), its
-    integer arguments in the kernel's order (strides, page size, slot count), whether FP8
-    caches go to the kernel as bytes, and the slot count the debug check reports against."""
+    integer arguments (strides in the kernel's (page, slot, head, dim) order whatever the
+    layout, page size, slot count), whether FP8 caches go to the kernel as bytes, and the
+    slot count the debug check reports against."""
 
     launch: BoundLaunch | None
-    k_strides: tuple
-    v_strides: tuple
-    k_cache_strides: tuple
-    v_cache_strides: tuple
-    k_scale_strides: tuple
-    v_scale_strides: tuple
-    sizes: tuple
+    ints: tuple
     byte_views: bool
     num_slots: int
 
@@ -538,14 +533,23 @@ def append_kv(
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         if k_scale is None:
             k_scale = v_scale = k  # never read without FP8
+        (
+            k_token, k_head,
+            v_token, v_head,
+            kc_page, kc_slot, kc_head, kc_dim,
+            vc_page, vc_slot, vc_head, vc_dim,
+            ks_page, ks_slot, ks_head,
+            vs_page, vs_slot, vs_head,
+            page_size, num_slots,
+        ) = step.ints  # fmt: skip
         launch(
-            k, *step.k_strides,
-            v, *step.v_strides,
-            k_cache, *step.k_cache_strides,
-            v_cache, *step.v_cache_strides,
-            k_scale, *step.k_scale_strides,
-            v_scale, *step.v_scale_strides,
-            slot_mapping, *step.sizes,
+            k, k_token, k_head,
+            v, v_token, v_head,
+            k_cache, kc_page, kc_slot, kc_head, kc_dim,
+            v_cache, vc_page, vc_slot, vc_head, vc_dim,
+            k_scale, ks_page, ks_slot, ks_head,
+            v_scale, vs_page, vs_slot, vs_head,
+            slot_mapping, page_size, num_slots,
         )  # fmt: skip
     if debug:
         _raise_bad_slots(slot_mapping, step.num_slots)
@@ -605,15 +609,19 @@ def _append_step(
             EXPONENT_BIAS=exponent_bias,
             NEGATIVE_ZERO=negative_zero,
         )
+    ints = (
+        *k.stride()[:2],
+        *v.stride()[:2],
+        *cache_strides(k_cache),
+        *cache_strides(v_cache),
+        *scale_strides(k_scale),
+        *scale_strides(v_scale),
+        shape.page_size,
+        num_slots,
+    )
     return AppendStep(
         launch=launch,
-        k_strides=k.stride()[:2],
-        v_strides=v.stride()[:2],
-        k_cache_strides=cache_strides(k_cache),
-        v_cache_strides=cache_strides(v_cache),
-        k_scale_strides=scale_strides(k_scale),
-        v_scale_strides=scale_strides(v_scale),
-        sizes=(shape.page_size, num_slots),
+        ints=ints,
         byte_views=fp8 and not _fp8_native(k_cache.dtype, k_cache.device),
         num_slots=num_slots,
     )
