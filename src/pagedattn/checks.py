@@ -1,7 +1,7 @@
 """Input validation for the public entry points.
 
-Called at the public boundary only (``api.py``). Every failure is a ``TypeError`` (wrong kind
-of object or dtype) or ``ValueError`` (wrong value or shape) whose message names the argument,
+Called at the public boundary only (``plan.py``, ``decode.py``, ``cache.py``). Every failure
+is a ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong value or shape) whose message names the argument,
 what was expected and what came. Nothing here reads tensor values, so nothing syncs with the
 GPU: lengths and page ids are checked by the kernels themselves (faults, see ``plan.py``).
 """
@@ -18,7 +18,9 @@ from ._kernels import records
 from ._kernels.common import interpreting
 
 HEAD_DIMS = (64, 128, 256)
-KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+# FP8 caches: e4m3fn (OCP, NVIDIA; largest 448) and e4m3fnuz (AMD MI300's; largest 240).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+KV_DTYPES = (torch.bfloat16, torch.float16, *FP8_DTYPES)
 Q_DTYPES = (torch.bfloat16, torch.float16)
 KV_SCALES = (None, "per_tensor", "per_token")
 KV_LAYOUTS = ("NHD", "HND")
@@ -48,7 +50,7 @@ def tensor_key(x) -> tuple | None:
     its full checks (and their clear error)."""
     if x is None:
         return None
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+    return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0
 
 
 def plain_number(x):
@@ -224,9 +226,9 @@ def check_kv_dtype_scale(kv_dtype, kv_scale) -> None:
         _fail(TypeError, "kv_dtype", f"one of {_names(KV_DTYPES)}", kv_dtype)
     if kv_scale not in KV_SCALES:
         _fail(ValueError, "kv_scale", "None, 'per_tensor' or 'per_token'", repr(kv_scale))
-    if kv_dtype == torch.float8_e4m3fn and kv_scale is None:
+    if kv_dtype in FP8_DTYPES and kv_scale is None:
         _fail(ValueError, "kv_scale", "'per_tensor' or 'per_token' for an FP8 cache", None)
-    if kv_dtype != torch.float8_e4m3fn and kv_scale is not None:
+    if kv_dtype not in FP8_DTYPES and kv_scale is not None:
         _fail(ValueError, "kv_scale", f"None for a {kv_dtype} cache", repr(kv_scale))
 
 
@@ -295,8 +297,13 @@ def check_decode_args(
         _fail(
             ValueError, "v_cache", f"shape {tuple(k_cache.shape)} (k_cache's)", tuple(v_cache.shape)
         )
-    if k_cache.dtype != torch.float8_e4m3fn and k_cache.dtype != q.dtype:
-        _fail(TypeError, "k_cache", f"dtype {q.dtype} (q's) or float8_e4m3fn", k_cache.dtype)
+    if k_cache.dtype not in FP8_DTYPES and k_cache.dtype != q.dtype:
+        _fail(
+            TypeError,
+            "k_cache",
+            f"dtype {q.dtype} (q's) or one of {_names(FP8_DTYPES)}",
+            k_cache.dtype,
+        )
     _tensor("block_table", block_table, 2, (torch.int32,))
     for name, t in (
         ("k_cache", k_cache),
@@ -367,7 +374,7 @@ def check_decode_args(
 
     k_mode = _scale_mode("k_scale", k_scale, k_cache, kv_layout)
     v_mode = _scale_mode("v_scale", v_scale, v_cache, kv_layout)
-    if k_cache.dtype == torch.float8_e4m3fn:
+    if k_cache.dtype in FP8_DTYPES:
         if k_mode is None or v_mode is None:
             _fail(ValueError, "k_scale/v_scale", "both given for an FP8 cache", "None")
         if k_mode != v_mode:

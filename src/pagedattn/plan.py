@@ -326,6 +326,19 @@ class DecodePlan:
             f"device={self.device})"
         )
 
+    @functools.cached_property
+    def record_views(self) -> tuple[torch.Tensor, ...]:
+        """``metadata`` from ``works``, from ``planned_lens`` and from ``faults`` on, and
+        ``partials`` from ``partial_lse`` on: for kernels that take each as a pointer of its
+        own (made once a plan, not per launch)."""
+        metadata, partials = self.metadata, self.partials
+        return (
+            metadata[self.works_offset :],
+            metadata[self.planned_lens_offset :],
+            metadata[self.faults_offset :],
+            partials[self.lse_offset :],
+        )
+
     @property
     def min_partition_size(self) -> int:
         """The smallest partition size a step of this plan can have (decode tiles fit it)."""

@@ -21,8 +21,8 @@ from .._kernels.hopper.common import NUM_WARPS
 from .._kernels.hopper.kernel import gluon_decode_kernel
 from .._kernels.limits import HOPPER_HEAD_DIMS, HOPPER_TRANSPOSED_ROWS, LOG2E
 from ..backend import hopper_shape_reason
-from ..launch import cache_strides, pdl_enabled, pdl_places_evenly, scale_strides
-from .reduce import reduce_partials
+from ..launch import BoundLaunch, cache_strides, pdl_enabled, pdl_places_evenly, scale_strides
+from .reduce import ReduceStep
 
 BLOCK_N = 128  # tokens per tile (FP8, head_dim up to 128)
 BLOCK_N16 = 64  # tokens per tile of a 16-bit cache (the same bytes at head_dim 128)
@@ -310,31 +310,6 @@ def compile_sm90a(
     )
 
 
-def _descriptor(cache, kv_layout, page_size):
-    """The bulk copies' descriptor of a cache, in :func:`copy_dtype` elements; boxes outside
-    it (page ids outside the cache) are filled with NaN."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    kv_dtype = cache.dtype
-    strides = list(cache_strides(cache, kv_layout))
-    heads, head_dim = cache.shape[2 if kv_layout == "NHD" else 1], cache.shape[3]
-    if cache.shape[0] == 0:
-        # No page to read (every work with tokens is a fault): a stand-in the kernel never
-        # copies from, as a descriptor needs a nonzero shape.
-        cache = torch.zeros(1, page_size, heads, head_dim, dtype=kv_dtype, device=cache.device)
-        strides = list(cache.stride())
-    # Two e4m3 values an fp16 element (unit head_dim stride, 16-byte strides: unsupported()).
-    ratio = _copy_ratio(kv_dtype)
-    return TensorDescriptor(
-        cache.view(copy_dtype(kv_dtype)),
-        shape=[cache.shape[0], page_size, heads, head_dim // ratio],
-        strides=[s // ratio for s in strides[:3]] + [1],
-        block_shape=box_shape(page_size, kv_dtype, head_dim),
-        layout=kv_block_layout(page_size, kv_dtype, head_dim),
-        padding="nan",
-    )
-
-
 def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=None):
     """Why this family does not cover a decode call (checked arguments ``shape``), or None
     (any ``sliding_window`` is covered)."""
@@ -472,80 +447,214 @@ def launch(
     out,
     lse,
     sliding_window=None,
-    stages: int = DEFAULT_STAGES,
-    half: int | None = None,
-    maxnreg: int | None = DEFAULT_MAXNREG,
-    load_regs: int = DEFAULT_LOAD_REGS,
-    transposed: bool | None = None,
-    reduce_config=None,
     trace: torch.Tensor | None = None,
+    **tuning,
 ):
-    """The decode kernel and the shared reducer on checked, covered arguments (``maxnreg``:
-    the register cap a thread over both warpgroups; ``load_regs`` of them in the load warp,
-    the compute warpgroup gets the rest; ``trace``: see :func:`pagedattn.decode.tracing`)."""
+    """The decode kernel and the shared reducer on checked, covered arguments, prepared and
+    launched once (``tuning``: see :class:`HopperStep`)."""
     if shape.batch == 0:
         return
-    group = shape.num_q_heads // shape.num_kv_heads
-    if q.stride(2) != 1:
-        q = q.contiguous()  # the kernel reads query rows as contiguous 16-byte runs
-    if shape.kv_dtype != torch.float8_e4m3fn:
-        scale_mode = 0
-    else:
-        scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
-    constexprs = variant(
-        group=group,
-        query_len=shape.query_len,
-        page_size=shape.page_size,
-        scale_mode=scale_mode,
-        write_lse=lse is not None,
-        stages=stages,
-        half=half,
-        load_regs=load_regs,
-        transposed=transposed,
-        window=sliding_window is not None,
-        kv_dtype=shape.kv_dtype,
-        head_dim=shape.head_dim,
-        trace=trace is not None,
-    )
-    args = (
+    step = HopperStep(
+        q, k_cache, v_cache, block_table, seq_lens, plan, shape, k_scale=k_scale,
+        v_scale=v_scale, sm_scale=sm_scale, kv_layout=kv_layout, out=out, lse=lse,
+        sliding_window=sliding_window, trace=trace, **tuning,
+    )  # fmt: skip
+    step(
         q,
-        q.stride(0),
-        q.stride(1),
-        _descriptor(k_cache, kv_layout, shape.page_size),
-        _descriptor(v_cache, kv_layout, shape.page_size),
-        k_scale if k_scale is not None else plan.partials,  # a 16-bit cache: never read
-        *scale_strides(k_scale, kv_layout),
-        v_scale if v_scale is not None else plan.partials,
-        *scale_strides(v_scale, kv_layout),
+        k_cache,
+        v_cache,
         block_table,
-        *block_table.stride(),
-        shape.num_pages,
-        min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
-        max(constexprs["BLOCK"] // shape.page_size, 1),
-        sliding_window or 0,
         seq_lens,
-        plan.metadata,
-        plan.metadata[plan.works_offset :],
-        plan.metadata[plan.planned_lens_offset :],
-        plan.metadata[plan.faults_offset :],
-        out,
-        out.stride(0),
-        out.stride(1),
-        lse if lse is not None else out,  # never written without WRITE_LSE
-        lse.stride(0) if lse is not None else 0,
-        plan.partials,
-        plan.partials[plan.lse_offset :],
-        sm_scale * LOG2E,
-        trace if trace is not None else plan.partials,  # never written without TRACE
-    )
-    options = dict(num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}))
-    # Launched early (while the scheduler runs) only where its grid fills every SM exactly.
-    pdl = pdl_enabled(q.device) and pdl_places_evenly(
-        gluon_decode_kernel,
-        args,
-        {**constexprs, **options},
         plan,
-        (q.dtype, k_cache.dtype, out.dtype),
+        k_scale,
+        v_scale,
+        None,
+        None,
+        out,
+        lse,
+        trace,
     )
-    gluon_decode_kernel[(plan.num_programs,)](*args, **constexprs, **options, launch_pdl=pdl)
-    reduce_partials(plan, out, lse, reduce_config)
+
+
+def descriptor_box(cache, kv_layout, page_size) -> tuple:
+    """The bulk copies' descriptor of a cache as ``(dtype, shape, strides, block_shape,
+    layout)``, in :func:`copy_dtype` elements (checked once on ``cache``: a descriptor made
+    by :func:`descriptor` with it for a cache of the same shape, strides, dtype and alignment
+    holds)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    kv_dtype = cache.dtype
+    strides = cache_strides(cache, kv_layout)
+    heads, head_dim = cache.shape[2 if kv_layout == "NHD" else 1], cache.shape[3]
+    # Two e4m3 values an fp16 element (unit head_dim stride, 16-byte strides: unsupported()).
+    ratio = _copy_ratio(kv_dtype)
+    box = (
+        copy_dtype(kv_dtype),
+        [max(cache.shape[0], 1), page_size, heads, head_dim // ratio],
+        [s // ratio for s in strides[:3]] + [1],
+        box_shape(page_size, kv_dtype, head_dim),
+        kv_block_layout(page_size, kv_dtype, head_dim),
+    )
+    if cache.shape[0]:
+        TensorDescriptor(cache.view(box[0]), *box[1:], padding="nan")  # the rules, checked once
+    return box
+
+
+def descriptor(cache, box: tuple):
+    """A bulk-copy descriptor of ``cache`` with a box from :func:`descriptor_box`; boxes outside
+    it (page ids outside the cache) are filled with NaN. No descriptor outlives its call, so
+    none keeps a freed cache alive."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype, shape, strides, block_shape, layout = box
+    if cache.shape[0] == 0:
+        # No page to read (every work with tokens is a fault): a stand-in the kernel never
+        # copies from, as a descriptor needs a nonzero shape.
+        cache = torch.zeros(shape, dtype=dtype, device=cache.device)
+        strides = list(cache.stride())
+    desc = object.__new__(TensorDescriptor)
+    desc.base = cache.view(dtype)
+    desc.shape, desc.strides, desc.block_shape, desc.layout = shape, strides, block_shape, layout
+    desc.padding = "nan"
+    return desc
+
+
+class HopperStep:
+    """The Hopper family's decode (and reducer) launch prepared for one call signature:
+    constexprs, descriptor boxes, integer arguments and the compiled handle, made once from a
+    checked, covered call; called with that signature's tensors. Tuning: ``stages`` K/V
+    slots, ``half`` tokens of V converted at a time (the rows form with FP8 KV only; None:
+    :func:`default_half`), ``maxnreg`` registers a thread over both warpgroups (128: two
+    programs fit on an SM), ``load_regs`` of them in the load warp, ``transposed`` the form of
+    the MMAs (None: :func:`default_transposed`), ``reduce_config`` the reducer's tile."""
+
+    __slots__ = ("boxes", "contiguous_q", "ints", "launch", "reduce")
+
+    def __init__(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        plan,
+        shape,
+        *,
+        k_scale,
+        v_scale,
+        sm_scale,
+        kv_layout,
+        out,
+        lse,
+        sliding_window=None,
+        trace: torch.Tensor | None = None,
+        stages: int = DEFAULT_STAGES,
+        half: int | None = None,
+        maxnreg: int | None = DEFAULT_MAXNREG,
+        load_regs: int = DEFAULT_LOAD_REGS,
+        transposed: bool | None = None,
+        reduce_config=None,
+    ):
+        group = shape.num_q_heads // shape.num_kv_heads
+        # The kernel reads query rows as contiguous 16-byte runs.
+        self.contiguous_q = q.stride(2) != 1
+        if self.contiguous_q:
+            q = q.contiguous()
+        if shape.kv_dtype != torch.float8_e4m3fn:
+            scale_mode = 0
+        else:
+            scale_mode = SCALE_TOKEN if shape.kv_scale == "per_token" else SCALE_TENSOR
+        constexprs = variant(
+            group=group,
+            query_len=shape.query_len,
+            page_size=shape.page_size,
+            scale_mode=scale_mode,
+            write_lse=lse is not None,
+            stages=stages,
+            half=half,
+            load_regs=load_regs,
+            transposed=transposed,
+            window=sliding_window is not None,
+            kv_dtype=shape.kv_dtype,
+            head_dim=shape.head_dim,
+            trace=trace is not None,
+        )
+        self.boxes = (
+            descriptor_box(k_cache, kv_layout, shape.page_size),
+            descriptor_box(v_cache, kv_layout, shape.page_size),
+        )
+        self.ints = (
+            (q.stride(0), q.stride(1)),
+            scale_strides(k_scale, kv_layout),
+            scale_strides(v_scale, kv_layout),
+            (
+                *block_table.stride(),
+                shape.num_pages,
+                min(shape.max_pages_per_seq * shape.page_size, 2**31 - 1),
+                max(constexprs["BLOCK"] // shape.page_size, 1),
+                sliding_window or 0,
+            ),
+            (out.stride(0), out.stride(1)),
+            (lse.stride(0) if lse is not None else 0,),
+            sm_scale * LOG2E,
+        )
+        options = dict(num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}))
+        # Launched early (while the scheduler runs) only where its grid fills every SM exactly.
+        pdl = pdl_enabled(q.device) and pdl_places_evenly(
+            gluon_decode_kernel,
+            self._args(q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
+                       out, lse, trace),
+            {**constexprs, **options},
+            plan,
+            (q.dtype, k_cache.dtype, out.dtype),
+        )  # fmt: skip
+        self.launch = BoundLaunch(
+            gluon_decode_kernel, (plan.num_programs,), **constexprs, **options, launch_pdl=pdl
+        )
+        self.reduce = ReduceStep(plan, out, lse, reduce_config)
+
+    def _args(
+        self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, out, lse, trace
+    ) -> tuple:
+        """The kernel's runtime arguments, in its parameter order."""
+        q_strides, k_scale_strides, v_scale_strides, table, out_strides, lse_stride, scale = (
+            self.ints
+        )
+        works, planned_lens, faults, partial_lse = plan.record_views
+        return (
+            q,
+            *q_strides,
+            descriptor(k_cache, self.boxes[0]),
+            descriptor(v_cache, self.boxes[1]),
+            k_scale if k_scale is not None else plan.partials,  # a 16-bit cache: never read
+            *k_scale_strides,
+            v_scale if v_scale is not None else plan.partials,
+            *v_scale_strides,
+            block_table,
+            *table,
+            seq_lens,
+            plan.metadata,
+            works,
+            planned_lens,
+            faults,
+            out,
+            *out_strides,
+            lse if lse is not None else out,  # never written without WRITE_LSE
+            *lse_stride,
+            plan.partials,
+            partial_lse,
+            scale,
+            trace if trace is not None else plan.partials,  # never written without TRACE
+        )
+
+    def __call__(
+        self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+        query_start_loc, out, lse, trace,
+    ) -> None:  # fmt: skip
+        if self.contiguous_q:
+            q = q.contiguous()
+        self.launch(
+            *self._args(q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
+                        out, lse, trace)
+        )  # fmt: skip
+        self.reduce(plan, out, lse, None, None)

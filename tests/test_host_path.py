@@ -1,0 +1,283 @@
+"""The host path of the public calls: a call whose signature was seen before takes the fast
+path (no checks, a prepared launch) with bitwise the same result, and every bad input still
+gets the full path's clear error; the prepared launches pass each kernel parameter what the
+call stands for."""
+
+import inspect
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import pagedattn
+from pagedattn import decode, launch
+from pagedattn import plan as planning
+from pagedattn.testing import random_step
+
+FP8 = torch.float8_e4m3fn
+SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, query_len=2)
+SCALES = dict(kv_dtype=FP8, kv_scale="per_token")
+
+
+def _step(lens=(37, 130, 5), seed=0, kv_layout="NHD"):
+    shape = dict(SHAPE, **SCALES)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    cache, q = random_step(list(lens), **shape, device=DEVICE, generator=gen, kv_layout=kv_layout)
+    return shape, cache, q
+
+
+def _decode(shape, cache, q, plan, **kw):
+    return pagedattn.paged_decode(
+        q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens, plan=plan,
+        k_scale=cache.k_scale, v_scale=cache.v_scale, **kw,
+    )  # fmt: skip
+
+
+def test_repeated_calls_take_the_prepared_step_with_the_same_bits():
+    shape, cache, q = _step()
+    plan = pagedattn.plan_decode(cache.seq_lens, **shape, num_programs=4, partition_size=16)
+    first, first_lse = _decode(shape, cache, q, plan, return_lse=True)
+    assert len(decode._DECODE_STEPS) == 1 and len(planning._PLAN_STEPS) == 1
+    (step,) = decode._DECODE_STEPS.values()
+    # New lengths and new tensors of the same signature: the same steps, new results.
+    _, cache2, q2 = _step(lens=(100, 3, 64), seed=1)
+    plan2 = pagedattn.plan_decode(
+        cache2.seq_lens, **shape, num_programs=4, partition_size=16, reuse=plan
+    )
+    assert plan2 is plan and len(planning._PLAN_STEPS) == 2  # reuse= is its own signature
+    out = torch.full_like(q2, float("nan"))
+    _decode(shape, cache2, q2, plan, out=out)
+    _decode(shape, cache2, q2, plan, out=out)
+    assert len(decode._DECODE_STEPS) == 2  # out= given: another signature, then a hit
+    # The same call on the full path (nothing prepared) gives the same bits.
+    decode._DECODE_STEPS.clear()
+    planning._PLAN_STEPS.clear()
+    again = pagedattn.plan_decode(cache2.seq_lens, **shape, num_programs=4, partition_size=16)
+    full = _decode(shape, cache2, q2, again)
+    assert torch.equal(full.view(torch.int16), out.view(torch.int16))
+    # And the first step replayed on the fast path gives its first bits.
+    plan3 = pagedattn.plan_decode(cache.seq_lens, **shape, num_programs=4, partition_size=16)
+    replay, replay_lse = _decode(shape, cache, q, plan3, return_lse=True)
+    replay, replay_lse = _decode(shape, cache, q, plan3, return_lse=True)
+    assert step is not decode._DECODE_STEPS.get(next(iter(decode._DECODE_STEPS)))
+    assert torch.equal(replay.view(torch.int16), first.view(torch.int16))
+    assert torch.equal(replay_lse, first_lse)
+
+
+def _bad_calls(shape, cache, q, plan):
+    """(what, call) pairs: each call is bad in one way, and raises."""
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    other = pagedattn.plan_decode(cache.seq_lens, **dict(shape, num_q_heads=8))
+    yield "q dtype", lambda: pagedattn.paged_decode(q.float(), *args[1:], **kw)
+    yield "q shape", lambda: pagedattn.paged_decode(q[:, :3], *args[1:], **kw)
+    yield (
+        "k_cache dtype",
+        lambda: pagedattn.paged_decode(q, cache.k_cache.view(torch.int8), *args[2:], **kw),
+    )
+    yield (
+        "block_table dtype",
+        lambda: pagedattn.paged_decode(*args[:3], cache.block_table.long(), cache.seq_lens, **kw),
+    )
+    yield (
+        "seq_lens stride",
+        lambda: pagedattn.paged_decode(*args[:4], cache.seq_lens.repeat_interleave(2)[::2], **kw),
+    )
+    yield "plan shape", lambda: pagedattn.paged_decode(*args, **dict(kw, plan=other))
+    yield "plan type", lambda: pagedattn.paged_decode(*args, **dict(kw, plan=object()))
+    yield "no scales", lambda: pagedattn.paged_decode(*args, plan=plan)
+    yield "return_lse int", lambda: pagedattn.paged_decode(*args, **kw, return_lse=1)
+    yield "exact_qk int", lambda: pagedattn.paged_decode(*args, **kw, exact_qk=0)
+    yield "window bool", lambda: pagedattn.paged_decode(*args, **kw, sliding_window=True)
+    yield "sm_scale str", lambda: pagedattn.paged_decode(*args, **kw, sm_scale="0.1")
+    yield "sm_scale list", lambda: pagedattn.paged_decode(*args, **kw, sm_scale=[0.1])
+    yield "kv_layout", lambda: pagedattn.paged_decode(*args, **kw, kv_layout="NDH")
+    yield "out shape", lambda: pagedattn.paged_decode(*args, **kw, out=q[:1].clone())
+    yield "backend", lambda: pagedattn.paged_decode(*args, **kw, backend="cuda")
+    yield (
+        "plan reuse sizes",
+        lambda: pagedattn.plan_decode(cache.seq_lens, **dict(shape, num_q_heads=8), reuse=plan),
+    )
+    yield (
+        "plan heads float",
+        lambda: pagedattn.plan_decode(cache.seq_lens, **dict(shape, num_q_heads=4.0), reuse=plan),
+    )
+    yield (
+        "plan seq_lens dtype",
+        lambda: pagedattn.plan_decode(cache.seq_lens.long(), **shape, reuse=plan),
+    )
+
+
+def test_bad_inputs_get_the_full_paths_error_after_a_prepared_call(monkeypatch):
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, *args: None)
+    shape, cache, q = _step()
+    plan = pagedattn.plan_decode(cache.seq_lens, **shape)
+    fresh = {}
+    for what, call in _bad_calls(shape, cache, q, plan):
+        decode._DECODE_STEPS.clear()
+        planning._PLAN_STEPS.clear()
+        with pytest.raises((TypeError, ValueError)) as error:
+            call()
+        fresh[what] = (type(error.value), str(error.value))
+    # Now with every good signature prepared: the same errors.
+    for _ in range(2):
+        pagedattn.plan_decode(cache.seq_lens, **shape, reuse=plan)
+        _decode(shape, cache, q, plan)
+        _decode(shape, cache, q, plan, return_lse=True, exact_qk=True, sm_scale=0.1)
+    for what, call in _bad_calls(shape, cache, q, plan):
+        with pytest.raises((TypeError, ValueError)) as error:
+            call()
+        assert (type(error.value), str(error.value)) == fresh[what], what
+
+
+def _parameters(kernel) -> list[str]:
+    fn = getattr(kernel, "fn", kernel)
+    params = inspect.signature(fn).parameters.values()
+    return [p.name for p in params if "constexpr" not in str(p.annotation)]
+
+
+def _record_launches(monkeypatch) -> list:
+    launched = []
+
+    def record(self, *args):
+        launched.append((self.kernel, dict(zip(_parameters(self.kernel), args, strict=True))))
+
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", record)
+    return launched
+
+
+def _pointer(x) -> int:
+    return x.base.data_ptr() if hasattr(x, "block_shape") else x.data_ptr()
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_portable_step_passes_each_parameter_its_value(kv_layout, monkeypatch):
+    from pagedattn._kernels.decode import _decode_kernel
+
+    launched = _record_launches(monkeypatch)
+    shape, cache, q = _step(kv_layout=kv_layout)
+    plan = pagedattn.plan_decode(cache.seq_lens, **shape, num_programs=4, partition_size=16)
+    launched.clear()
+    for _ in range(2):  # the full path, then the prepared step
+        out, lse = _decode(shape, cache, q, plan, kv_layout=kv_layout, return_lse=True)
+        (kernel, args), *reducer = launched
+        launched.clear()
+        assert kernel is _decode_kernel and len(reducer) == (plan.max_reduces > 0)
+        k = cache.k_cache
+        axes = (0, 1, 2, 3) if kv_layout == "NHD" else (0, 2, 1, 3)
+        assert args["q_ptr"] is q and args["out_ptr"] is out and args["lse_ptr"] is lse
+        assert (args["stride_q_tok"], args["stride_q_head"]) == q.stride()[:2]
+        assert _pointer(args["k_desc"]) == k.data_ptr()
+        assert args["k_ptr"] is k
+        strides = [args[f"stride_k_{n}"] for n in ("page", "slot", "head", "dim")]
+        assert strides == [k.stride(a) for a in axes]
+        assert args["k_scale_ptr"] is cache.k_scale and args["v_scale_ptr"] is cache.v_scale
+        assert args["block_table_ptr"] is cache.block_table
+        assert args["seq_lens_ptr"] is cache.seq_lens
+        assert args["work_indptr_ptr"] is plan.metadata
+        assert args["partial_out_ptr"] is plan.partials
+        assert args["num_pages"] == k.shape[0]
+        assert args["works_offset"] == plan.works_offset
+        assert args["lse_offset"] == plan.lse_offset
+        assert args["stride_o_tok"] == out.stride(0) and args["stride_lse_tok"] == lse.stride(0)
+        assert args["qk_scale"] == pytest.approx(64**-0.5 * 1.4426950408889634)
+
+
+def test_hopper_step_passes_each_parameter_its_value(monkeypatch):
+    """The Hopper family's prepared launch, built on CPU tensors (it launches only on an
+    H200-class GPU; here the launch is recorded): every parameter gets what it stands for."""
+    from pagedattn import checks
+    from pagedattn._kernels.hopper.kernel import gluon_decode_kernel
+    from pagedattn.families import hopper
+
+    launched = _record_launches(monkeypatch)
+    shape = dict(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=64, query_len=1)
+    shape.update(SCALES)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cache, q = random_step([300, 17, 0], **shape, device=DEVICE, generator=gen)
+    plan = pagedattn.plan_decode(cache.seq_lens, **shape, num_programs=4)
+    launched.clear()
+    args5 = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+    checked = checks.check_decode_args(
+        *args5, plan=plan, sm_scale=None, k_scale=cache.k_scale, v_scale=cache.v_scale,
+        kv_layout="NHD", sliding_window=None, out=None,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    step = hopper.HopperStep(
+        *args5, plan, checked, k_scale=cache.k_scale, v_scale=cache.v_scale, sm_scale=0.125,
+        kv_layout="NHD", out=out, lse=lse,
+    )  # fmt: skip
+    step(*args5, plan, cache.k_scale, cache.v_scale, None, None, out, lse, None)
+    (kernel, args), *reducer = launched
+    assert kernel is gluon_decode_kernel and len(reducer) == (plan.max_reduces > 0)
+    k = cache.k_cache
+    assert args["q_ptr"] is q and args["out_ptr"] is out and args["lse_ptr"] is lse
+    assert (args["stride_q_tok"], args["stride_q_head"]) == q.stride()[:2]
+    # FP8 caches are copied as fp16 pairs: the descriptor's elements are two bytes.
+    desc = args["k_desc"]
+    assert desc.base.data_ptr() == k.data_ptr() and desc.base.dtype == torch.float16
+    assert desc.shape == [k.shape[0], 64, 2, 64] and desc.strides[:3] == [
+        s // 2 for s in k.stride()[:3]
+    ]
+    assert args["v_desc"].base.data_ptr() == cache.v_cache.data_ptr()
+    assert args["k_scale_ptr"] is cache.k_scale
+    assert [args[f"stride_ks_{n}"] for n in ("page", "slot", "head")] == list(
+        cache.k_scale.stride()
+    )
+    assert (args["stride_bt"], args["stride_bt_col"]) == cache.block_table.stride()
+    assert args["num_pages"] == k.shape[0] and args["tile_pages"] == 2  # 128-token tiles
+    assert args["work_indptr_ptr"] is plan.metadata
+    for name, offset in (
+        ("works_ptr", plan.works_offset),
+        ("planned_lens_ptr", plan.planned_lens_offset),
+        ("faults_ptr", plan.faults_offset),
+    ):
+        assert args[name].data_ptr() == plan.metadata.data_ptr() + 4 * offset, name
+    assert args["partial_out_ptr"] is plan.partials
+    assert args["partial_lse_ptr"].data_ptr() == plan.partials.data_ptr() + 4 * plan.lse_offset
+    assert args["qk_scale"] == pytest.approx(0.125 * 1.4426950408889634)
+    assert (args["stride_o_tok"], args["stride_o_head"]) == out.stride()[:2]
+
+
+def test_descriptors_made_once_per_signature_equal_checked_ones():
+    """The descriptors a prepared step makes per call (without Triton's checks) hold the same
+    fields as ones made with the checks, and the checks do run when the step is prepared."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as HopperDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from pagedattn.families import hopper, portable
+
+    cache = torch.zeros(3, 64, 2, 128, dtype=torch.bfloat16)
+    (box, _) = portable.tma_boxes(cache, cache, "NHD", 64, 64, 64)
+    made, checked = portable.descriptor(cache, box), TensorDescriptor(cache, *box)
+    for field in ("shape", "strides", "block_shape", "padding"):
+        assert getattr(made, field) == getattr(checked, field)
+    assert made.base is cache
+    assert portable.tma_boxes(cache[:, :, :, 1:], cache, "NHD", 64, 64, 64) is None
+    fp8 = torch.zeros(3, 2, 64, 128, dtype=FP8)
+    hbox = hopper.descriptor_box(fp8, "HND", 64)
+    made = hopper.descriptor(fp8, hbox)
+    checked = HopperDescriptor(fp8.view(torch.float16), *hbox[1:], padding="nan")
+    for field in ("shape", "strides", "block_shape", "layout", "padding"):
+        assert getattr(made, field) == getattr(checked, field)
+    assert made.base.data_ptr() == fp8.data_ptr() and made.base.dtype == torch.float16
+    shifted = torch.zeros(fp8.numel() + 2, dtype=FP8)[2:].view(fp8.shape)  # 2-byte aligned
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        hopper.descriptor_box(shifted, "HND", 64)
+
+
+def test_tuning_tables_changed_since_are_read_again(tuning_tables, monkeypatch):
+    """A plan's grid may come from the tuning table: a prepared plan is not reused once the
+    tables' cache is cleared (a new table written, the user's path changed)."""
+    from pagedattn import tuning
+
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, *args: None)
+    shape, cache, _ = _step()
+    first = pagedattn.plan_decode(cache.seq_lens, **shape, max_seq_len=200)
+    pagedattn.plan_decode(cache.seq_lens, **shape, max_seq_len=200)
+    assert len(planning._PLAN_STEPS) == 1
+    tuning.clear_cache()
+    second = pagedattn.plan_decode(cache.seq_lens, **shape, max_seq_len=200)
+    assert len(planning._PLAN_STEPS) == 2
+    assert second.num_programs == first.num_programs  # no table row: the same default
