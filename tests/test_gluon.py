@@ -287,7 +287,7 @@ def test_descriptors_fill_pages_outside_the_cache_with_nan(
     if kv_layout == "HND":
         shape = (pages, heads, page_size, head_dim)
     cache = torch.zeros(shape, dtype=kv_dtype)
-    desc = hopper._descriptor(cache, kv_layout, page_size)
+    desc = hopper.descriptor(cache, hopper.descriptor_box(cache, kv_layout, page_size))
     ratio = 2 // kv_dtype.itemsize
     assert desc.padding == "nan"
     assert desc.base.dtype == hopper.copy_dtype(kv_dtype) != torch.float8_e4m3fn
