@@ -255,3 +255,58 @@ def test_compile_reduce_overhead_replays_cuda_graphs(gen, with_refill):
         torch.cuda.synchronize()
     names = {event.name for event in prof.events()}
     assert any("cudaGraphLaunch" in name for name in names), sorted(names)[:20]
+
+
+def test_import_pagedattn_is_enough_for_compile_and_loads_no_dynamo():
+    """In a fresh process: ``import pagedattn`` leaves Dynamo unloaded (its import costs
+    1-2 s), and is all ``torch.compile(fullgraph=True)`` needs to trace plan_decode,
+    append_kv and paged_decode (no ``import pagedattn.ops``)."""
+    code = """
+import sys
+import torch
+import pagedattn
+assert "torch._dynamo" not in sys.modules, "import pagedattn loaded Dynamo"
+from pagedattn.testing import random_step
+fp8 = torch.float8_e4m3fn
+shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
+shape.update(kv_dtype=fp8, kv_scale="per_token")
+gen = torch.Generator().manual_seed(0)
+cache, q = random_step([5, 9], **shape, device="cpu", generator=gen)
+k = torch.randn(2, 2, 64).bfloat16()
+slots = torch.tensor([4, 12])
+def step(q, k, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
+    plan = pagedattn.plan_decode(seq_lens, **shape, num_programs=4, partition_size=16)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    pagedattn.append_kv(k, k, k_cache, v_cache, slots, **scales, kv_scale="per_token")
+    return pagedattn.paged_decode(q, k_cache, v_cache, block_table, seq_lens, plan=plan, **scales)
+args = (q, k, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+args += (cache.k_scale, cache.v_scale)
+eager = [a.clone() for a in args]
+want = step(*eager)
+got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+assert torch.equal(got, want)
+print("compiled")
+"""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("compiled")
+
+
+def test_constant_mark_is_torchs():
+    """ops marks its trace-time size choice as torch.compiler.assume_constant_result does
+    (without importing Dynamo): the same attributes on a function marked either way."""
+
+    def mine():
+        return 0
+
+    def theirs():
+        return 0
+
+    ops._assume_constant_result(mine)
+    torch.compiler.assume_constant_result(theirs)
+    assert vars(mine) == vars(theirs) and vars(mine)

@@ -14,6 +14,9 @@ from .cache import (
 from .decode import paged_decode
 from .plan import DecodePlan, WorkItem, plan_decode
 
+# The custom ops (torch.ops.pagedattn.*), so torch.compile traces the calls above.
+from . import ops  # noqa: F401  isort: skip
+
 __all__ = [
     "DecodePlan",
     "PagedCache",

@@ -208,3 +208,27 @@ def portable_features(*, sinks=None, logits_soft_cap=None, query_start_loc=None)
         (logits_soft_cap is not None, "logits_soft_cap"),
         (query_start_loc is not None, "query_start_loc"),
     )
+
+
+# False inside ``eager_calls``: the public calls then run as they do outside torch.compile (a
+# plain global: Dynamo traces a read of one, not a ContextVar's).
+_THROUGH_OPS = True
+
+
+def through_ops() -> bool:
+    """Whether a public call traced by torch.compile goes through its custom op
+    (``pagedattn.ops``): yes, but for the calls ``pagedattn.ops`` itself makes while tracing
+    (``eager_calls``)."""
+    return _THROUGH_OPS
+
+
+@contextlib.contextmanager
+def eager_calls():
+    """Inside this block the public calls run as they do eagerly, even while torch.compile
+    traces (``pagedattn.ops`` plans once at trace time to choose a plan's sizes)."""
+    global _THROUGH_OPS
+    before, _THROUGH_OPS = _THROUGH_OPS, False
+    try:
+        yield
+    finally:
+        _THROUGH_OPS = before

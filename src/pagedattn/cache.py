@@ -1,10 +1,11 @@
 """Paged KV-cache tools: FP8 quantisation, a test/benchmark cache builder, page-table converters.
 
-FP8 here is e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, largest finite
-value 448, no infinities, NaN = bit pattern ``0x7F``/``0xFF``). Round-to-nearest keeps each
-normal value within a relative 2^-4 of the input (half of the 2^-3 mantissa step); with amax
-scaling, ``||dequantised - x|| / ||x||`` is about 2.6% for Gaussian data (measured in
-``tests/test_cache.py``, bounded there by 3.5%).
+FP8 here is e4m3: ``torch.float8_e4m3fn`` (OCP, NVIDIA: 4 exponent bits of bias 7, 3 mantissa
+bits, largest finite value 448, no infinities, NaN = bit pattern ``0x7F``/``0xFF``) or
+``torch.float8_e4m3fnuz`` (AMD MI300's: bias 8, largest 240, no negative zero, NaN = ``0x80``).
+Round-to-nearest keeps each normal value within a relative 2^-4 of the input (half of the 2^-3
+mantissa step); with amax scaling, ``||dequantised - x|| / ||x||`` is about 2.6% for Gaussian
+data (measured in ``tests/test_cache.py``, bounded there by 3.5%).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedattn.reference import KV_LAYOUTS
 from . import checks
 from ._kernels.append import _append_kv_kernel
 from ._kernels.common import interpreting
+from .backend import through_ops
 from .checks import tensor_key
 from .launch import BoundLaunch, next_power_of_2
 from .plan import MAX_SIGNATURES
@@ -37,22 +39,30 @@ __all__ = [
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# e4m3fn has no infinity; 0x7F (all exponent and mantissa bits set) is its NaN.
-_FP8_NAN_BITS = 0x7F
+# Largest finite value of each FP8 cache format.
+FP8_MAXES = {torch.float8_e4m3fn: FP8_MAX, torch.float8_e4m3fnuz: 240.0}
+# Neither has an infinity. e4m3fn's NaN is 0x7F (all exponent and mantissa bits set);
+# e4m3fnuz's is 0x80 (the negative zero it lacks).
+_FP8_NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e4m3fnuz: 0x80}
 SCALE_MODES = ("per_tensor", "per_token")
 
 
 def quantize_kv(
-    x: torch.Tensor, mode: str = "per_tensor", *, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    mode: str = "per_tensor",
+    *,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype = FP8_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise K or V values to FP8 e4m3 with amax scaling.
 
-    ``x ~= x_fp8.float() * scale``. The scale maps the largest magnitude to 448, the largest
-    e4m3 value; values are clamped to +-448 before the cast, so rounding (or a given ``scale``
-    too small for the data) saturates instead of overflowing to NaN. Where the amax is 0 (or
-    so small that ``amax / 448`` underflows to 0) the scale is 1, so all-zero input gives zeros
-    and a finite scale. Relative error per element: at most 2^-4 for values in e4m3's normal
-    range; about 2.6% in norm for Gaussian data.
+    ``x ~= x_fp8.float() * scale``. The scale maps the largest magnitude to the format's
+    largest value (448 for e4m3fn, 240 for e4m3fnuz); values are clamped to it before the
+    cast, so rounding (or a given ``scale`` too small for the data) saturates instead of
+    overflowing to NaN. Where the amax is 0 (or so small that ``amax / max`` underflows to 0)
+    the scale is 1, so all-zero input gives zeros and a finite scale. Relative error per
+    element: at most 2^-4 for values in the format's normal range; about 2.6% in norm for
+    Gaussian data.
 
     Parameters
     ----------
@@ -62,17 +72,22 @@ def quantize_kv(
         One scale for the whole tensor, or one per vector along the last dim (head_dim).
     scale : torch.Tensor, optional
         Use this scale instead of computing one (float32, shape as ``mode`` gives); values
-        beyond ``448 * scale`` saturate.
+        beyond ``max * scale`` saturate.
+    dtype : torch.dtype
+        ``torch.float8_e4m3fn`` (default) or ``torch.float8_e4m3fnuz``.
 
     Returns
     -------
     x_fp8 : torch.Tensor
-        ``torch.float8_e4m3fn``, ``x.shape``, on ``x.device``.
+        ``dtype``, ``x.shape``, on ``x.device``.
     scale : torch.Tensor
         float32 on ``x.device``: shape ``[1]`` (per tensor) or ``x.shape[:-1]`` (per token).
     """
     if mode not in SCALE_MODES:
         raise ValueError(f"mode: expected one of {SCALE_MODES}, got {mode!r}")
+    if dtype not in FP8_MAXES:
+        raise TypeError(f"dtype: expected float8_e4m3fn or float8_e4m3fnuz, got {dtype}")
+    fp8_max = FP8_MAXES[dtype]
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"x: expected a floating-point torch.Tensor, got {got}")
@@ -90,7 +105,7 @@ def quantize_kv(
             amax = torch.linalg.vector_norm(values, ord=float("inf")).reshape(1)
         else:
             amax = torch.linalg.vector_norm(values, ord=float("inf"), dim=-1)
-        scale = amax / FP8_MAX
+        scale = amax / fp8_max
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     else:
         if tuple(scale.shape) != scale_shape:
@@ -100,7 +115,7 @@ def quantize_kv(
         scale = scale.to(device=x.device, dtype=torch.float32)
     divisor = scale.reshape(()) if mode == "per_tensor" else scale.unsqueeze(-1)
     scaled = values / divisor
-    x_fp8 = scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_fp8 = scaled.clamp_(-fp8_max, fp8_max).to(dtype)
     return x_fp8, scale
 
 
@@ -112,8 +127,9 @@ class PagedCache:
     ----------
     k_cache, v_cache : torch.Tensor
         ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
-        ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND); bf16, fp16, float32 or
-        ``torch.float8_e4m3fn``. Views of one tensor when built with ``kv_combined=True``.
+        ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND); bf16, fp16, float32,
+        ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``. Views of one tensor when built
+        with ``kv_combined=True``.
     block_table : torch.Tensor
         ``[batch, max_pages_per_seq]`` int32.
     seq_lens : torch.Tensor
@@ -178,7 +194,7 @@ def build_paged_cache(
     Sequence ``b`` owns ``ceil(seq_lens[b] / page_size)`` pages; page ids are a random
     permutation of ``range(num_pages)``, so tables are shuffled, and ``extra_pages`` more pages
     are owned by no one. Every unowned page, and every slot of a sequence's last page past its
-    length, holds NaN (FP8: bit pattern ``0x7F``; per-token scales of those slots are NaN too),
+    length, holds NaN (FP8: the format's NaN byte; per-token scales of those slots are NaN too),
     so a kernel that reads one poisons its output. Owned slots hold standard-normal values
     (cast to ``kv_dtype``, or :func:`quantize_kv` of them for FP8; K and V scaled separately).
 
@@ -192,7 +208,8 @@ def build_paged_cache(
     num_kv_heads, head_dim, page_size : int
         Cache geometry.
     kv_dtype : torch.dtype
-        ``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or ``torch.float8_e4m3fn``.
+        ``torch.bfloat16``, ``torch.float16``, ``torch.float32``, ``torch.float8_e4m3fn`` or
+        ``torch.float8_e4m3fnuz``.
     kv_layout : {"NHD", "HND"}
         ``[num_pages, page_size, num_kv_heads, head_dim]`` or
         ``[num_pages, num_kv_heads, page_size, head_dim]``.
@@ -219,11 +236,12 @@ def build_paged_cache(
     """
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
-    if kv_dtype not in (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE):
+    if kv_dtype not in (torch.bfloat16, torch.float16, torch.float32, *FP8_MAXES):
         raise TypeError(
-            f"kv_dtype: expected bfloat16, float16, float32 or float8_e4m3fn, got {kv_dtype}"
+            "kv_dtype: expected bfloat16, float16, float32, float8_e4m3fn or float8_e4m3fnuz, "
+            f"got {kv_dtype}"
         )
-    is_fp8 = kv_dtype == FP8_DTYPE
+    is_fp8 = kv_dtype in FP8_MAXES
     if is_fp8 and kv_scale not in SCALE_MODES:
         raise ValueError(f"kv_scale: expected one of {SCALE_MODES} for FP8, got {kv_scale!r}")
     if not is_fp8 and kv_scale is not None:
@@ -282,8 +300,8 @@ def build_paged_cache(
             dtype=torch.float32 if is_fp8 else kv_dtype,
         ).to(device)
         if is_fp8:
-            values, scale = quantize_kv(values, kv_scale)
-            values.view(torch.uint8).masked_fill_(~valid.unsqueeze(-1), _FP8_NAN_BITS)
+            values, scale = quantize_kv(values, kv_scale, dtype=kv_dtype)
+            values.view(torch.uint8).masked_fill_(~valid.unsqueeze(-1), _FP8_NAN_BITS[kv_dtype])
             if kv_scale == "per_token":
                 scale = scale.masked_fill(~valid, float("nan"))
             scales.append(scale)
@@ -492,6 +510,14 @@ def append_kv(
     The float32 arithmetic is :func:`pagedattn.reference.append_kv_torch`'s, which gives the
     same bytes.
     """
+    if torch.compiler.is_compiling() and through_ops():
+        # Traced by torch.compile: the same call through its custom op.
+        from . import ops
+
+        return ops.append_kv(
+            k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
+            v_scale=v_scale, kv_scale=kv_scale, debug=debug,
+        )  # fmt: skip
     try:
         # The fast path: a call like an earlier one reuses its checked, prepared launch.
         key = (

@@ -16,7 +16,13 @@ import contextvars
 import torch
 
 from . import checks
-from .backend import pick_backend, portable_features, preferred_family, using_backend
+from .backend import (
+    pick_backend,
+    portable_features,
+    preferred_family,
+    through_ops,
+    using_backend,
+)
 from .checks import tensor_key
 from .families.portable import PortableStep
 from .launch import DecodeLaunchConfig
@@ -191,6 +197,18 @@ def paged_decode(
     precisely than float32, so the computation adds about 9e-4 instead of 2e-4 (H200).
     ``exact_qk=True`` turns it off.
     """
+    if torch.compiler.is_compiling() and through_ops():
+        # Traced by torch.compile: the same call through the custom ops.
+        from . import ops
+
+        return ops.paged_decode(
+            q, k_cache, v_cache, block_table, seq_lens, plan=plan, sm_scale=sm_scale,
+            k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
+            sliding_window=sliding_window, sinks=sinks, logits_soft_cap=logits_soft_cap,
+            query_start_loc=query_start_loc, out=out, return_lse=return_lse, debug=debug,
+            exact_qk=exact_qk, launch_config=launch_config,
+            backend=None if backend == "auto" else backend,
+        )  # fmt: skip
     trace = _TRACE.get()
     try:
         # The fast path: a call like an earlier one reuses its checked, prepared step.

@@ -32,23 +32,22 @@ and refill it inside (``refill_plan(plan, seq_lens)`` or ``plan_decode(..., reus
 :func:`plan_decode` can also make a new plan inside a compiled function: its sizes are chosen
 once, while tracing.
 
-``pagedattn.paged_decode``, ``pagedattn.plan_decode`` and ``pagedattn.append_kv`` themselves
-are traceable once this module is imported: it registers :func:`paged_decode`,
-:func:`plan_decode` and :func:`append_kv` here as what ``torch.compile`` traces in their place
-(``torch.compiler.substitute_in_graph``), so a model that calls ``pagedattn.paged_decode``
-compiles with ``fullgraph=True``. Eager calls of the
-public functions are untouched. Under ``torch.compile``, ``launch_config`` (a tuning knob)
-and any other keyword argument the ops do not take must be None.
+``pagedattn.paged_decode``, ``pagedattn.plan_decode`` and ``pagedattn.append_kv`` are
+traceable as they are (``import pagedattn`` registers these ops): under ``torch.compile`` each
+calls its form here (:func:`paged_decode`, :func:`plan_decode`, :func:`append_kv`), so a model
+that calls them compiles with ``fullgraph=True``; eager calls never come here. Under
+``torch.compile``, ``launch_config`` (a tuning knob) and any other keyword argument the ops do
+not take must be None.
 """
 
 import functools
 import itertools
-import warnings
 
 import torch
 
 from . import checks, decode
 from . import plan as planning
+from .backend import eager_calls
 from .cache import append_kv as eager_append_kv
 from .plan import DecodePlan, allocate_plan, plan_sizes
 
@@ -182,7 +181,14 @@ def refill_plan(
     return plan
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """What ``torch.compiler.assume_constant_result`` does (it marks ``fn``), without importing
+    Dynamo on ``import pagedattn`` (1-2 s); ``tests/test_ops.py`` checks that the marks agree."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _chosen_sizes(batch: int, device: torch.device, ragged: bool, **arguments) -> tuple:
     """The grid and partition size ``pagedattn.plan_decode`` picks for these keyword
     ``arguments`` (run once while tracing, its result a constant of the graph): it plans
@@ -190,9 +196,10 @@ def _chosen_sizes(batch: int, device: torch.device, ragged: bool, **arguments) -
     partition follow exactly the same rules and the same tuning table, and bad arguments
     raise its errors."""
     rows = torch.zeros(batch + 1, dtype=torch.int32, device=device) if ragged else None
-    plan = planning.plan_decode(
-        torch.zeros(batch, dtype=torch.int32, device=device), **arguments, query_start_loc=rows
-    )
+    with eager_calls():
+        plan = planning.plan_decode(
+            torch.zeros(batch, dtype=torch.int32, device=device), **arguments, query_start_loc=rows
+        )
     return plan.num_programs, plan.partition_size
 
 
@@ -474,35 +481,3 @@ def append_kv(
     torch.ops.pagedattn.append_kv(
         k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale, debug
     )
-
-
-def _register_substitutes() -> None:
-    """Makes torch.compile trace the public entry points as the functions above."""
-
-    # Wrappers of any signature: the public functions may grow keyword arguments, which the
-    # functions above take as ``**options`` (eager: passed on; compiled: refused).
-    def traceable_paged_decode(*args, **kwargs):
-        return paged_decode(*args, **kwargs)
-
-    def traceable_plan_decode(*args, **kwargs):
-        return plan_decode(*args, **kwargs)
-
-    def traceable_append_kv(*args, **kwargs):
-        return append_kv(*args, **kwargs)
-
-    for original, traceable in (
-        (decode.paged_decode, traceable_paged_decode),
-        (planning.plan_decode, traceable_plan_decode),
-        (eager_append_kv, traceable_append_kv),
-    ):
-        try:
-            torch.compiler.substitute_in_graph(original)(traceable)
-        except (TypeError, ValueError) as error:  # e.g. registered already
-            warnings.warn(
-                f"pagedattn.ops: torch.compile cannot trace pagedattn.{original.__name__} "
-                f"({error}); call pagedattn.ops.{original.__name__} inside compiled code",
-                stacklevel=2,
-            )
-
-
-_register_substitutes()

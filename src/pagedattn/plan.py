@@ -71,7 +71,13 @@ from ._kernels.schedule import (
     _schedule_invariant_kernel,
     _schedule_kernel,
 )
-from .backend import HOPPER_MIN_PARTITION, HOPPER_PROGRAMS_PER_SM, hopper_plan, preferred_family
+from .backend import (
+    HOPPER_MIN_PARTITION,
+    HOPPER_PROGRAMS_PER_SM,
+    hopper_plan,
+    preferred_family,
+    through_ops,
+)
 from .checks import tensor_key
 from .launch import (
     DEFAULT_PARTITION,
@@ -737,6 +743,17 @@ def plan_decode(
         (and on ``query_start_loc`` being given, and ``batch_invariant``), never on the values
         of ``seq_lens``, so this call may be captured in a CUDA graph.
     """
+    if torch.compiler.is_compiling() and through_ops():
+        # Traced by torch.compile: the same call through the custom ops.
+        from . import ops
+
+        return ops.plan_decode(
+            seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            page_size=page_size, query_len=query_len, kv_dtype=kv_dtype, kv_scale=kv_scale,
+            num_programs=num_programs, partition_size=partition_size, reuse=reuse,
+            max_seq_len=max_seq_len, schedule_config=schedule_config,
+            query_start_loc=query_start_loc, batch_invariant=batch_invariant,
+        )  # fmt: skip
     try:
         # The fast path: a call like an earlier one (the same tensor shapes, strides, dtypes,
         # devices and alignment, and the same options) reuses its checked, prepared launch.
