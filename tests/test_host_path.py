@@ -281,3 +281,20 @@ def test_tuning_tables_changed_since_are_read_again(tuning_tables, monkeypatch):
     second = pagedattn.plan_decode(cache.seq_lens, **shape, max_seq_len=200)
     assert len(planning._PLAN_STEPS) == 2
     assert second.num_programs == first.num_programs  # no table row: the same default
+
+
+def test_tensor_key_tells_apart_what_kernels_specialise_on():
+    """The fast path's key of a tensor: every property a prepared launch depends on (shape,
+    strides, dtype, device, 16-byte alignment, which Triton specialises pointers on)."""
+    from pagedattn.checks import tensor_key
+
+    base = torch.zeros(64, dtype=torch.int32)
+    assert tensor_key(base) != tensor_key(base[1:33])  # 4-byte offset: misaligned
+    assert tensor_key(base[:32]) == tensor_key(base[4:36])  # 16-byte offset: aligned
+    assert tensor_key(base) != tensor_key(base.float())
+    assert tensor_key(base) != tensor_key(base[:32])
+    assert tensor_key(base.view(8, 8)) != tensor_key(base.view(8, 8).t())
+    assert tensor_key(base.view(8, 8)[:, :4]) != tensor_key(base[:32].view(8, 4))
+    assert tensor_key(base)[3] == torch.device("cpu") and tensor_key(None) is None
+    with pytest.raises(AttributeError):
+        tensor_key([1, 2])

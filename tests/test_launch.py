@@ -256,22 +256,6 @@ def test_launch_config_16_bit_caches_take_64_token_tiles():
         assert config.block_n == 64
 
 
-def test_cached_launch_key_tracks_what_triton_specialises_on():
-    """The compiled-launch key (``_kernels.common``) must tell apart every argument Triton
-    compiles differently: dtype and 16-byte alignment of a tensor; an int being 1, being a
-    multiple of 16, or needing 64 bits."""
-    from pagedattn._kernels.common import _specialisation
-
-    base = torch.zeros(64, dtype=torch.int32)
-    assert _specialisation(base) != _specialisation(base[1:])  # 4-byte offset: misaligned
-    assert _specialisation(base) == _specialisation(base[4:])  # 16-byte offset: aligned
-    assert _specialisation(base) != _specialisation(base.float())
-    assert len({_specialisation(v) for v in (1, 2, 16, 2**31)}) == 4
-    assert _specialisation(3) == _specialisation(5)
-    with pytest.raises(TypeError, match="CachedLaunch"):
-        _specialisation(0.5)
-
-
 @pytest.mark.parametrize(
     "block_b, num_programs, expected",
     [

@@ -2,7 +2,6 @@
 
 import ctypes
 import functools
-import inspect
 import os
 
 import torch
@@ -121,63 +120,3 @@ def programs_per_sm(compiled) -> int | None:
 @functools.cache
 def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
-
-
-class CachedLaunch:
-    """Launches a Triton kernel through its compiled handle once a call with the same
-    specialisation has compiled it, skipping the JIT's per-call binding and cache lookup
-    (host time: docs/performance-log.md, "Host overhead").
-
-    Calls pass the runtime arguments (tensors and ints only) in the kernel's parameter order,
-    and the constexprs by keyword (all of them). The key holds everything Triton specialises such
-    arguments on (a tensor's dtype and 16-byte alignment; an int's being 1, its divisibility
-    by 16 and its width) and the launch options (warps, ``launch_pdl``), so it is never
-    coarser than Triton's own; the first call with a new key goes through the JIT. Under the
-    interpreter every call does.
-    """
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.compiled = {}
-        # The same under the interpreter, whose kernels have no ``params``.
-        signature = inspect.signature(getattr(kernel, "fn", kernel))
-        self.constexpr_names = tuple(
-            p.name for p in signature.parameters.values() if "constexpr" in str(p.annotation)
-        )
-
-    def __call__(self, grid, args, *, num_warps, launch_pdl=False, **named):
-        try:
-            constexprs = tuple(named[name] for name in self.constexpr_names)
-        except KeyError:
-            constexprs = ()
-        if len(constexprs) != len(named) or len(named) != len(self.constexpr_names):
-            raise TypeError(
-                f"CachedLaunch: expected the constexprs {self.constexpr_names}, got {tuple(named)}"
-            )
-        compiled = None
-        if not _INTERPRETING:
-            key = (
-                torch.cuda.current_device(),
-                num_warps,
-                constexprs,
-                *map(_specialisation, args),
-                launch_pdl,
-            )
-            compiled = self.compiled.get(key)
-        if compiled is not None:
-            compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
-            return
-        kwargs = dict(named)
-        if launch_pdl:
-            kwargs["launch_pdl"] = True
-        result = self.kernel[grid](*args, **kwargs, num_warps=num_warps)
-        if not _INTERPRETING:
-            self.compiled[key] = result
-
-
-def _specialisation(arg):
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if type(arg) is int:
-        return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
-    raise TypeError(f"CachedLaunch: expected tensor or int arguments, got {type(arg).__name__}")
