@@ -5,9 +5,10 @@
 # scheduler timing, the offline tuner, the side-by-side benchmark; a short summary printed
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $RESULTS (default
 # /tmp/gpu_check_out).
-#   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|all|profile|budget|
+#   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|host|all|profile|budget|
 #   ab|ab_src|ab_multi] [args]
-# (profile: host time of the calls and the per-program decode trace; not part of all. ab VAR:
+# (host: wall time of each eager call, scripts/host_overhead.py, also in all and profile;
+# profile: that and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
 # $RESULTS/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
 # pagedattn alone with the sources in DIR (a checkout's src/ and benchmarks/, e.g.
@@ -108,9 +109,13 @@ if [[ $MODE == bench || $MODE == all ]]; then
   tail -40 "$LOGS/bench.log"
 fi
 
+if [[ $MODE == host || $MODE == all || $MODE == profile ]]; then
+  # Wall time of each eager call (paged_decode, plan_decode reuse=, append_kv), warm path.
+  python3 scripts/host_overhead.py >"$RESULTS/host.txt" 2>&1
+  summary+=("host: $(grep -E '^[a-z_.0-9]+: ' "$RESULTS/host.txt" | tr '\n' ' ')")
+fi
+
 if [[ $MODE == profile ]]; then
-  python3 scripts/host_overhead.py >"$RESULTS/host.md" 2>&1
-  summary+=("host: $(grep -E '^\| (plan_decode|paged_decode)' "$RESULTS/host.md" | tr '\n' ' ')")
   python3 scripts/trace_decode.py "$@" >"$RESULTS/trace.txt" 2>&1
   summary+=("trace: $(grep -E 'programs,' "$RESULTS/trace.txt" | tr '\n' ' ')")
 fi
