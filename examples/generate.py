@@ -256,6 +256,8 @@ def generate_paged(model, prompts, new_tokens, head_dim, args):
             cache.lens[b] = len(ids)
             logits[b].append(step_logits)
             tokens[b].append(int(step_logits.argmax()))
+    sync()
+    timing = {"prefill_s": time.perf_counter() - start, "decode_steps_s": []}
 
     cache.mode = "decode"
     kv_dtype = pagedattn.cache.FP8_DTYPE if cache.fp8 else torch.bfloat16
@@ -290,6 +292,7 @@ def generate_paged(model, prompts, new_tokens, head_dim, args):
     graph, graph_logits = None, None
     with torch.no_grad():
         for _ in range(new_tokens - 1):
+            step_start = time.perf_counter()
             set_inputs()
             if args.cuda_graph and graph is None:
                 # Warm up (compiles the kernels) on a side stream, then capture. The warm-up
@@ -313,13 +316,35 @@ def generate_paged(model, prompts, new_tokens, head_dim, args):
                 cache.lens[b] += 1
                 tokens[b].append(chosen[b])
                 logits[b].append(step_logits[b].clone())
+            # A whole step, host side included; .tolist() above waited for the device.
+            timing["decode_steps_s"].append(time.perf_counter() - step_start)
     sync()
     elapsed = time.perf_counter() - start
     faults = cache.plan.faults() if cache.plan is not None else []
     if faults:
         sys.exit(f"pagedattn recorded faults: {faults}")
     print(f"pagedattn.paged_decode calls (Python side): {cache.decode_calls}")
-    return tokens, [torch.stack(x) for x in logits], elapsed
+    return tokens, [torch.stack(x) for x in logits], elapsed, timing
+
+
+def report_decode(timing: dict, batch: int, mode: str) -> None:
+    """Steady-state decode: the median whole step (host side, plan refill, the model, argmax)
+    over the decode steps after the first, which compiles the kernels (and, with CUDA graphs,
+    warms up and captures the graph); prefill is timed apart."""
+    steps = timing["decode_steps_s"]
+    print(f"prefill (prompt by prompt, sdpa): {timing['prefill_s'] * 1e3:.1f} ms")
+    if steps:
+        print(f"first decode step (compile, warm-up, capture): {steps[0] * 1e3:.1f} ms")
+    steady = sorted(steps[1:])
+    if not steady:
+        print("decode steady state: n/a (needs --new-tokens >= 3)")
+        return
+    step = steady[len(steady) // 2]
+    print(
+        f"decode steady state ({mode}): {batch / step:.1f} tokens/s, step {step * 1e3:.3f} ms "
+        f"(median of {len(steady)} steps of {batch} sequences; range "
+        f"{steady[0] * 1e3:.3f}-{steady[-1] * 1e3:.3f} ms)"
+    )
 
 
 def main(argv=None) -> int:
@@ -363,7 +388,7 @@ def main(argv=None) -> int:
         args.num_programs = model.config.num_key_value_heads
     prompts = prompt_ids(args, model, device)
     ref_tokens, ref_logits, ref_time = reference(model, prompts, new_tokens)
-    tokens, logits, paged_time = generate_paged(model, prompts, new_tokens, head_dim, args)
+    tokens, logits, paged_time, timing = generate_paged(model, prompts, new_tokens, head_dim, args)
 
     count = len(prompts) * new_tokens
     match = tokens == ref_tokens
@@ -392,7 +417,11 @@ def main(argv=None) -> int:
             f"logits so far within {diff:.4g}: {'a near tie' if tie else 'NOT a near tie'}"
         )
     print(f"max logit difference: {max(diffs, default=float('nan')):.4g}")
-    print(f"pagedattn: {count / paged_time:.1f} tokens/s ({count} tokens in {paged_time:.2f} s)")
+    report_decode(timing, len(prompts), mode)
+    print(
+        f"pagedattn end to end (prefill, compile, decode): {count / paged_time:.1f} tokens/s "
+        f"({count} tokens in {paged_time:.2f} s)"
+    )
     print(f"transformers generate (sdpa): {count / ref_time:.1f} tokens/s ({ref_time:.2f} s)")
     if args.kv_cache == "fp8":
         return 0  # FP8 rounding may change tokens: reported, not required

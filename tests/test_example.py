@@ -34,3 +34,6 @@ def test_generate_tiny_matches_transformers():
     # 2 layers x 5 decode steps (the first token comes from the prefill) ran on pagedattn.
     assert "pagedattn.paged_decode calls (Python side): 10" in result.stdout, result.stdout
     assert "max logit difference:" in result.stdout and "tokens/s" in result.stdout
+    # Steady-state decode: the 4 decode steps after the first (which compiles), 3 sequences.
+    assert "decode steady state (eager): " in result.stdout, result.stdout
+    assert "(median of 4 steps of 3 sequences" in result.stdout, result.stdout
