@@ -40,7 +40,7 @@ KV_AXES = ("page", "slot", "head", "dim")  # the kernel's stride arguments, per 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    kv: str = "fp8"  # "fp8" (e4m3) or "bf16"
+    kv: str = "fp8"  # "fp8" (e4m3fn), "fnuz" (e4m3fnuz: AMD targets) or "bf16"
     q: str = "bf16"  # "bf16" or "fp16"
     scale: int = 1  # SCALE_MODE: 0 none, 1 per tensor, 2 per token
     query_len: int = 1
@@ -132,17 +132,20 @@ VARIANTS = [
 ]
 
 
-def _build(v: Variant):
-    """(signature, constexprs, attrs, options) of the launch ``v`` stands for."""
+def _build(v: Variant, target=None):
+    """(signature, constexprs, attrs, options) of the launch ``v`` stands for (on ``target``, a
+    ``launch.Target``; None: NVIDIA's)."""
     import torch
 
     from pagedattn._kernels.decode import _decode_kernel
-    from pagedattn.families.portable import decode_constexprs, decode_tiles
     from pagedattn.checks import DecodeShape
-    from pagedattn.launch import DecodeLaunchConfig, decode_launch_config
+    from pagedattn.families.portable import decode_constexprs, decode_tiles, fnuz_as_bytes
+    from pagedattn.launch import DecodeLaunchConfig, Target, decode_launch_config
 
-    kv_dtype = torch.float8_e4m3fn if v.kv == "fp8" else torch.bfloat16
-    kv_ty = "fp8e4nv" if v.kv == "fp8" else "bf16"
+    kv_dtype = {"fp8": torch.float8_e4m3fn, "fnuz": torch.float8_e4m3fnuz}.get(v.kv, torch.bfloat16)
+    # e4m3fnuz: Triton's fnuz type where the target has one, else e4m3fn bytes (FNUZ_BITS).
+    fnuz_bits = fnuz_as_bytes(kv_dtype, target or Target())
+    kv_ty = {"fp8": "fp8e4nv", "fnuz": "fp8e4nv" if fnuz_bits else "fp8e4b8"}.get(v.kv, "bf16")
     q_ty = v.q
     rows = v.query_len * v.group
     num_q_heads = NUM_KV_HEADS * v.group
@@ -153,6 +156,7 @@ def _build(v: Variant):
         kv_dtype=kv_dtype,
         partition_size=PARTITION,
         kv_scale=kv_scale,
+        target=target,
     )
     config = dataclasses.replace(
         config, head_chunk=v.head_chunk, tma=v.tma, unmasked_loop=v.unmasked_loop
@@ -234,6 +238,7 @@ def _build(v: Variant):
         lse=v.lse,
         exact_qk=v.exact_qk,
         trace=v.trace,
+        fnuz_bits=fnuz_bits,
     )
     constexprs["PDL"] = v.pdl
     signature, attrs = {}, {}
@@ -419,6 +424,241 @@ def hopper_digest(v: HopperVariant) -> str:
     )
 
 
+# -- AMD targets (--target gfx942 | gfx950): the portable kernels built by Triton's AMD backend --
+
+AMD_TARGETS = ("gfx942", "gfx950")  # CDNA3 (MI300), CDNA4 (MI350); LDS: launch.AMD_SHARED_BYTES
+AMD_CUS = {"gfx942": 80, "gfx950": 256}  # compute units of an MI308X (the seed's) and an MI355X
+# e4m3fnuz (MI300's FP8) forms of these sm_90a variants, as AMD launches build them.
+AMD_FNUZ_FROM = (
+    "fp8-tensor-q1-d128-p128-tma",
+    "fp8-tensor-q1-d128-p16",
+    "fp8-tensor-q4g16-d128-p128-tma",
+    "fp8-tensor-q4g16-d128-p16",
+    "fp8-token-q1-d128-p128-tma",
+    "fp8-token-q4g16-d128-p128-tma",
+    "fp8-token-q4g16-d128-p16",
+    "fp8-tensor-q1-d128-p128-tma-fp16q",
+    "fp8-tensor-q1-d128-p128-tma-window-cap-sinks-lse",
+    "fp8-token-q4g8-d128-p16-window-cap-ragged",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AmdBuild:
+    """One build for an AMD target: a decode ``Variant``, or a launch of the scheduler, the
+    reducer or the cache write (``kernel``, with its parameters as (name, value) pairs)."""
+
+    name: str
+    kernel: str  # "decode", "schedule", "reduce" or "append"
+    params: tuple = ()
+    variant: Variant | None = None
+
+
+def _amd_decode_builds() -> list[AmdBuild]:
+    """The sm_90a decode variants as an AMD launch builds them: no bulk copies ("-tma" leaves
+    the name; a variant that then duplicates another goes), no PDL or trace stamps (PTX), and
+    no ``exact`` twin (AMD configs never take Q K^T on FP8 MMAs); then e4m3fnuz forms."""
+    builds, seen = [], set()
+    for v in VARIANTS:
+        if v.pdl or v.trace:
+            continue
+        amd = dataclasses.replace(v, name=v.name.replace("-tma", ""), tma=False, exact_qk=False)
+        if dataclasses.replace(amd, name="") not in seen:
+            seen.add(dataclasses.replace(amd, name=""))
+            builds.append(AmdBuild(amd.name, "decode", variant=amd))
+    for v in VARIANTS:
+        if v.name in AMD_FNUZ_FROM:
+            name = "fnuz" + v.name.removeprefix("fp8").replace("-tma", "")
+            builds.append(
+                AmdBuild(name, "decode", variant=dataclasses.replace(v, kv="fnuz", tma=False))
+            )
+    return builds
+
+
+AMD_BUILDS = [
+    *_amd_decode_builds(),
+    # The scheduler: one block held in registers (1 and 4 warps' worth), a batch scanned in
+    # blocks with windows, ragged rows; the batch-invariant one.
+    AmdBuild("schedule-b64", "schedule", (("batch", 64),)),
+    AmdBuild("schedule-b1024-ragged", "schedule", (("batch", 1024), ("ragged", True))),
+    AmdBuild("schedule-b8192", "schedule", (("batch", 8192),)),
+    AmdBuild("schedule-invariant-b256", "schedule", (("batch", 256), ("invariant", True))),
+    # The reducer: runs (one record) and many records, 8 and 64 rows; sinks, ragged rows, LSE.
+    AmdBuild("reduce-r8-runs", "reduce", (("rows", 8), ("records", 1))),
+    AmdBuild("reduce-r8-records", "reduce", (("rows", 8), ("records", 512))),
+    AmdBuild("reduce-r64-runs-lse", "reduce", (("rows", 64), ("records", 1), ("lse", True))),
+    AmdBuild(
+        "reduce-r64-records-sinks-ragged-lse",
+        "reduce",
+        (("rows", 64), ("records", 512), ("sinks", True), ("ragged", True), ("lse", True)),
+    ),
+    AmdBuild("reduce-r16-invariant", "reduce", (("rows", 16), ("records", None))),
+    # The cache write (append_kv): 16-bit, e4m3fn per tensor, e4m3fnuz per token.
+    AmdBuild("append-bf16", "append", (("kv", "bf16"), ("scale", None))),
+    AmdBuild("append-fp8-tensor", "append", (("kv", "fp8"), ("scale", "per_tensor"))),
+    AmdBuild("append-fnuz-token", "append", (("kv", "fnuz"), ("scale", "per_token"))),
+]
+
+
+def _amd_schedule(target, batch: int, ragged: bool = False, invariant: bool = False):
+    """A scheduler launch as ``plan_decode`` makes it: 8 kv heads of 8 query heads, the default
+    grid (``AMD_CUS`` x the default multiplier), partition size picked by the kernel."""
+    from pagedattn._kernels.schedule import _schedule_invariant_kernel, _schedule_kernel
+    from pagedattn.launch import default_grid_multiplier, schedule_launch
+
+    cus = AMD_CUS[target.arch]
+    num_programs = -(-cus * default_grid_multiplier(8) // NUM_KV_HEADS) * NUM_KV_HEADS
+    launch = schedule_launch(
+        None,
+        batch=batch,
+        num_programs=num_programs,
+        num_kv_heads=NUM_KV_HEADS,
+        sm_count=cus,
+        target=target,
+    )
+    constexprs = dict(
+        PROGRAMS_PER_HEAD=num_programs // NUM_KV_HEADS,
+        NUM_PROGRAMS=num_programs,
+        GROUP=8,
+        PARTITION_SHIFT=8 if invariant else 0,
+        BLOCK_B=launch.block_b,
+        RAGGED=ragged,
+        PDL=False,
+    )
+    if invariant:
+        kernel = _schedule_invariant_kernel
+    else:
+        kernel = _schedule_kernel
+        constexprs.update(
+            SINGLE_BLOCK=batch <= launch.block_b, WINDOW=launch.window, LOCALS=launch.locals
+        )
+    return kernel, constexprs, {"num_warps": launch.warps}, {}
+
+
+def _amd_reduce(target, rows: int, records, sinks=False, ragged=False, lse=False):
+    """A reducer launch as ``paged_decode`` makes it (``records`` None: a batch-invariant
+    plan's tile), head_dim 128, 8 query heads a kv head."""
+    from pagedattn._kernels.reduce import _reduce_kernel
+    from pagedattn.launch import invariant_reduce_config, reduce_launch_config
+
+    if records is None:
+        red = invariant_reduce_config(rows=rows, head_dim=128)
+    else:
+        red = reduce_launch_config(
+            rows=rows, head_dim=128, records=records, sm_count=AMD_CUS[target.arch], target=target
+        )
+    constexprs = dict(
+        QUERY_LEN=rows // 8, GROUP=8, HEAD_DIM=128, BLOCK_R=red.block_r, BLOCK_D=red.block_d,
+        SLOT_BLOCK=red.slot_block, NUM_STAGES=red.num_stages, GROUPS=red.groups,
+        WRITE_LSE=lse, HAS_SINKS=sinks, RAGGED=ragged, PDL=False,
+    )  # fmt: skip
+    pointers = dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32", sinks_ptr="*fp32")
+    options = {"num_warps": red.num_warps, "num_stages": red.num_stages}
+    return _reduce_kernel, constexprs, options, pointers
+
+
+def _amd_append(kv: str, scale: str | None):
+    """A cache write of 8 kv heads of head_dim 128 from bf16 rows, as ``append_kv`` launches
+    it on AMD: FP8 caches as bytes, a scale per tensor or per token."""
+    from pagedattn._kernels.append import _append_kv_kernel
+
+    fp8 = {"fp8": (448.0, 7, True), "fnuz": (240.0, 8, False)}.get(kv)
+    constexprs = dict(
+        NUM_KV_HEADS=NUM_KV_HEADS,
+        HEAD_DIM=128,
+        BLOCK_H=NUM_KV_HEADS,
+        BLOCK_D=128,
+        FP8=fp8 is not None,
+        PER_TOKEN=scale == "per_token",
+        FP8_MAX=fp8[0] if fp8 else 448.0,
+        EXPONENT_BIAS=fp8[1] if fp8 else 7,
+        NEGATIVE_ZERO=fp8[2] if fp8 else True,
+    )
+    cache = "*u8" if fp8 else "*bf16"
+    pointers = dict(
+        k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache,
+        k_scale_ptr="*fp32", v_scale_ptr="*fp32", slot_mapping_ptr="*i64",
+    )  # fmt: skip
+    return _append_kv_kernel, constexprs, {"num_warps": 4}, pointers
+
+
+def _amd_source(b: AmdBuild, target):
+    """(kernel, signature, constexprs, attrs, options) of build ``b`` on ``target``."""
+    if b.kernel == "decode":
+        return _build(b.variant, target)
+    params = dict(b.params)
+    if b.kernel == "schedule":
+        fn, constexprs, options, pointers = _amd_schedule(target, **params)
+    elif b.kernel == "reduce":
+        fn, constexprs, options, pointers = _amd_reduce(target, **params)
+    else:
+        fn, constexprs, options, pointers = _amd_append(**params)
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"  # sizes, strides and offsets, never specialised
+    return fn, signature, constexprs, attrs, options
+
+
+def amd_digest(job: tuple) -> tuple[str, bool]:
+    """One AMD build's line and whether it passed: name, sha256 of the AMDGCN assembly, VGPRs
+    (arch + accumulation), scratch spills, shared memory (LDS) and the target's budget; a
+    build that fails, or needs more LDS than the target has, is marked FAILED."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    from pagedattn.launch import Target
+
+    b, arch = job
+    target = Target("hip", arch)
+    budget = target.shared_bytes
+    knobs.compilation.disable_line_info = True
+    knobs.compilation.always_compile = True
+    try:
+        fn, signature, constexprs, attrs, options = _amd_source(b, target)
+        compiled = triton.compile(
+            triton.compiler.ASTSource(
+                fn=fn, signature=signature, constexprs=constexprs, attrs=attrs
+            ),
+            target=GPUTarget("hip", arch, target.warp_size),
+            options=options,
+        )
+    except Exception as exc:  # every failure is reported, then the exit status
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"{b.name:50s} FAILED {type(exc).__name__}: {first}", False
+    asm = compiled.asm["amdgcn"]
+    vgprs = re.search(r"\.vgpr_count:\s+(\d+)", asm)
+    spills = re.search(r"\.vgpr_spill_count:\s+(\d+)", asm)
+    shared = compiled.metadata.shared
+    fits = shared <= budget
+    return (
+        f"{b.name:50s} amdgcn={hashlib.sha256(asm.encode()).hexdigest()} "
+        f"vgpr={vgprs.group(1) if vgprs else '?'} spill={spills.group(1) if spills else '?'} "
+        f"shared={shared}{'' if fits else f' FAILED: over the {budget}-byte LDS'}"
+    ), fits
+
+
+def amd_main(arch: str, names: list[str], jobs: int) -> int:
+    """Builds the AMD builds whose name holds one of ``names`` (all without) for ``arch``;
+    prints one line each, returns the exit status (1 when any failed or none matched)."""
+    builds = [b for b in AMD_BUILDS if not names or any(n in b.name for n in names)]
+    if not builds:
+        print(f"no AMD build matches {names}", file=sys.stderr)
+        return 1
+    ok = True
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for line, passed in pool.map(amd_digest, [(b, arch) for b in builds]):
+            print(line, flush=True)
+            ok &= passed
+    return 0 if ok else 1
+
+
 def _digest_any(v) -> str:
     return hopper_digest(v) if isinstance(v, HopperVariant) else digest(v)
 
@@ -432,8 +672,20 @@ def main() -> None:
         default="all",
         help="the kernel family's variants (hopper: the Gluon kernel's, named gluon-*)",
     )
+    parser.add_argument(
+        "--target",
+        choices=("sm_90a", *AMD_TARGETS),
+        default="sm_90a",
+        help="an AMD target builds the portable kernels (scheduler, decode, reducer, cache "
+        "write) with Triton's AMD backend and fails on a build that does not fit its LDS",
+    )
     parser.add_argument("names", nargs="*", help="only variants whose name holds one of these")
     args = parser.parse_args()
+    if args.target != "sm_90a":
+        if args.family == "hopper":
+            parser.error("--family hopper: the Hopper family builds for sm_90a only")
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_digest_")
+        sys.exit(amd_main(args.target, args.names, args.jobs))
     families = {"portable": VARIANTS, "hopper": HOPPER_VARIANTS}
     chosen = [v for f, vs in families.items() if args.family in ("all", f) for v in vs]
     variants = [v for v in chosen if not args.names or any(n in v.name for n in args.names)]

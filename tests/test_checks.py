@@ -271,14 +271,16 @@ PLAN_CASES = [
         None,
         {"kv_dtype": FP32},
         TypeError,
-        r"kv_dtype: expected one of \(bfloat16, float16, float8_e4m3fn\), got torch\.float32",
+        r"kv_dtype: expected one of \(bfloat16, float16, float8_e4m3fn, float8_e4m3fnuz\), "
+        r"got torch\.float32",
     ),
     (
         "kv_dtype_str",
         None,
         {"kv_dtype": "bfloat16"},
         TypeError,
-        r"kv_dtype: expected one of \(bfloat16, float16, float8_e4m3fn\), got bfloat16",
+        r"kv_dtype: expected one of \(bfloat16, float16, float8_e4m3fn, float8_e4m3fnuz\), "
+        r"got bfloat16",
     ),
     (
         "kv_scale_bad_str",
@@ -560,7 +562,8 @@ DECODE_CASES = [
         {},
         lambda a: {"k_cache": a["k_cache"].float(), "v_cache": a["v_cache"].float()},
         TypeError,
-        r"k_cache: expected dtype in \(bfloat16, float16, float8_e4m3fn\), got torch\.float32",
+        r"k_cache: expected dtype in \(bfloat16, float16, float8_e4m3fn, float8_e4m3fnuz\), "
+        r"got torch\.float32",
     ),
     (
         "kv_dtype_mismatch",
@@ -582,14 +585,16 @@ DECODE_CASES = [
         {"kv_dtype": FP16},
         lambda a: {},
         TypeError,
-        r"k_cache: expected dtype torch\.bfloat16 \(q's\) or float8_e4m3fn, got torch\.float16",
+        r"k_cache: expected dtype torch\.bfloat16 \(q's\) or one of "
+        r"\(float8_e4m3fn, float8_e4m3fnuz\), got torch\.float16",
     ),
     (
         "fp16_q_bf16_cache",
         {"q_dtype": FP16},
         lambda a: {},
         TypeError,
-        r"k_cache: expected dtype torch\.float16 \(q's\) or float8_e4m3fn, got torch\.bfloat16",
+        r"k_cache: expected dtype torch\.float16 \(q's\) or one of "
+        r"\(float8_e4m3fn, float8_e4m3fnuz\), got torch\.bfloat16",
     ),
     (
         "cache_head_dim_32",

@@ -114,11 +114,14 @@ def default_grid_multiplier(rows: int) -> int:
 # Shared memory (LDS) one program may use on the AMD targets the portable family is built for
 # (CDNA3: MI300, gfx942; CDNA4: MI350, gfx950); ``scripts/kernel_digest.py --target`` checks it.
 AMD_SHARED_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
-# AMD decode tile: 64 tokens, 4 waves (256 lanes), 2 stages (the AMD backend's default: K/V
-# tiles double-buffered in LDS). Chosen on build facts alone (nothing has run on AMD hardware):
-# the largest tile whose query_len-4 x 16-head builds for gfx942 keep off scratch and use at
-# most 24 KB of LDS (128-token tiles: 48 KB and scratch spills; `kernel_digest.py --target`).
+# AMD decode tile: 64 tokens (fewer where a K tile would pass AMD_TILE_BYTES), 4 waves (256
+# lanes), 2 stages (the AMD backend's default: K/V tiles double-buffered in LDS). Chosen on
+# build facts alone, nothing has run on AMD hardware: every decode build of `kernel_digest.py
+# --target gfx942` then takes at most 32 KB of LDS (two programs a CU) and at most 4 VGPRs
+# spilled; 128-token tiles at query_len 4 x 16 heads took 48 KB and spilled, bf16 64-token
+# tiles at head_dim 256 all 64 KB.
 AMD_BLOCK_N = 64
+AMD_TILE_BYTES = 16 * 1024
 AMD_WARPS = 4
 AMD_STAGES = 2
 
@@ -205,13 +208,15 @@ def decode_launch_config(
     (docs/performance-log.md, "Tile shapes and pipelining"). Not for <= 16 rows: 59 more registers
     and 16 KB more shared memory would leave 3 programs per SM instead of 4.
 
-    ``target`` (None: NVIDIA's configs, as above): an AMD one takes one tile for every step,
-    ``AMD_BLOCK_N`` tokens, ``AMD_WARPS`` waves and ``AMD_STAGES`` stages, with plain loads
-    (no bulk copies) and FP8 keys converted (no ``qk_fp8``). e4m3fnuz caches take e4m3fn's
+    ``target`` (None: NVIDIA's configs, as above): an AMD one takes ``AMD_BLOCK_N`` tokens
+    (fewer for K tiles over ``AMD_TILE_BYTES``: 16-bit caches at head_dim 256), ``AMD_WARPS``
+    waves and ``AMD_STAGES`` stages for every step, with plain loads (no bulk copies) and FP8
+    keys converted (no ``qk_fp8``). e4m3fnuz caches take e4m3fn's
     configs but ``qk_fp8`` (its query terms are e4m3fn)."""
     if target is not None and target.amd:
+        block_n = min(AMD_BLOCK_N, AMD_TILE_BYTES // (head_dim * kv_dtype.itemsize))
         return DecodeLaunchConfig(
-            block_n=AMD_BLOCK_N, num_warps=AMD_WARPS, num_stages=AMD_STAGES, tma=False
+            block_n=block_n, num_warps=AMD_WARPS, num_stages=AMD_STAGES, tma=False
         )
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
     block_n = 128 if head_dim <= 128 and fp8 else 64
@@ -513,6 +518,20 @@ def pdl_places_evenly(kernel, args: tuple, launch: dict, plan, dtypes: tuple) ->
         compiled = kernel.warmup(*args, grid=(plan.num_programs,), **launch, launch_pdl=True)
         fits = _programs_per_sm[key] = programs_per_sm(compiled)
     return fits is not None and fits * sms == plan.num_programs
+
+
+def decode_launch(kernel, args: tuple, plan, dtypes: tuple, *, pdl_flag: bool, **launch):
+    """A decode kernel's (either family's) :class:`BoundLaunch` over the plan's grid, launched
+    early (programmatic dependent launch, while the scheduler runs) only where its programs
+    fill every SM exactly (:func:`pdl_places_evenly`; ``args``, ``dtypes``: see there).
+    ``pdl_flag``: the kernel takes a ``PDL`` constexpr saying whether it was."""
+    flag = {"PDL": True} if pdl_flag else {}
+    pdl = pdl_enabled(plan.device) and pdl_places_evenly(
+        kernel, args, {**launch, **flag}, plan, dtypes
+    )
+    if pdl_flag:
+        launch["PDL"] = pdl
+    return BoundLaunch(kernel, (plan.num_programs,), **launch, launch_pdl=pdl)
 
 
 class BoundLaunch:

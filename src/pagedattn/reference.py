@@ -45,7 +45,9 @@ def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor | None = None) -> tor
     Parameters
     ----------
     cache : torch.Tensor
-        Any shape ``[..., head_dim]``; bf16, fp16, float32, float64 or ``torch.float8_e4m3fn``.
+        Any shape ``[..., head_dim]``; bf16, fp16, float32, float64 or FP8
+        (``torch.float8_e4m3fn``, ``torch.float8_e4m3fnuz``: torch's conversion, so fnuz's
+        ``0x80`` is NaN and its largest value 240).
     scale : torch.Tensor or None
         None (not allowed for FP8), a float32 tensor of one element (per tensor), or float32 of
         shape ``cache.shape[:-1]`` (per token). When given it multiplies any dtype.
@@ -220,7 +222,8 @@ def paged_decode_torch(
     k_cache, v_cache : torch.Tensor
         ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
         ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), any strides (may be views of
-        one tensor); bf16, fp16, float32 or ``torch.float8_e4m3fn``.
+        one tensor); bf16, fp16, float32, ``torch.float8_e4m3fn`` or
+        ``torch.float8_e4m3fnuz``.
     block_table : torch.Tensor
         ``[batch, max_pages_per_seq]`` int32; token ``t`` of sequence ``b`` is in page
         ``block_table[b, t // page_size]``, slot ``t % page_size``. Columns past a sequence's

@@ -9,7 +9,8 @@ Q, K, V and the accumulator are cut along head_dim into ``CHUNKS`` (1, 2 or 4) c
 ``tl.dot`` each, so only one chunk of a converted K or V tile is live in registers at a time.
 
 Numerics: FP8 K/V are converted exactly where converted (every e4m3 value is a bf16 and an
-fp16 value). Q K^T takes the query dtype, except with FP8 keys and a bf16 query: each query
+fp16 value, of either format: e4m3fn or e4m3fnuz; fnuz bytes on targets without Triton's
+fnuz type are read as e4m3fn and fixed, see _convert_kv). Q K^T takes the query dtype, except with FP8 keys and a bf16 query: each query
 row is scaled by a power of two and meets the keys in fp16 (``QK_FP16``) or, on FP8 tensor
 cores, as two e4m3 terms against the keys as stored (``QK_FP8``). P V takes fp16 (bf16 for
 a bf16 cache). Per-tensor scales fold into the score scale (K) and the output (V); per-token
@@ -121,6 +122,23 @@ def _load_chunk(
 
 
 @triton.jit
+def _convert_kv(x, dtype: tl.constexpr, FNUZ_BITS: tl.constexpr):
+    """A K or V tile (or chunk) in ``dtype``. ``FNUZ_BITS``: ``x`` holds e4m3fnuz bytes read
+    as e4m3fn (targets whose Triton has no fnuz type: NVIDIA, the interpreter). The same bits
+    in e4m3fn (exponent bias 7, not 8) are worth twice the fnuz value, so the kernel halves the
+    scales instead, except three bytes, fixed here: 0x7F / 0xFF (e4m3fn's NaN) are fnuz's
+    +-240 (+-480 in these units, exact in fp16 and bf16) and 0x80 (e4m3fn's -0) is fnuz's NaN."""
+    y = x.to(dtype)
+    if FNUZ_BITS:
+        bits = x.to(tl.uint8, bitcast=True)
+        special = ((bits & 0x7F) == 0x7F) | (bits == 0x80)
+        # Made in float32 and converted: the interpreter has no bf16 constants.
+        fixed = tl.where(bits == 0x80, float("nan"), tl.where(bits < 0x80, 480.0, -480.0))
+        y = tl.where(special, fixed.to(dtype), y)
+    return y
+
+
+@triton.jit
 def _round_4_bits(x):
     """float32 ``x`` rounded to 4 significant bits (to nearest, ties away from zero), on its
     bits: no conversion's rounding (nor the interpreter's, which rounds some values wrongly)
@@ -199,14 +217,16 @@ def _qk_chunk(
     USE_TMA: tl.constexpr,
     QK_FP8: tl.constexpr,
     MASKED: tl.constexpr,
+    FNUZ_BITS: tl.constexpr,
 ):
     """``s + Q[:, chunk C] K[:, chunk C]^T`` (``s`` None: the first chunk). With ``QK_FP8``
     the query chunk is the e4m3 pair ``q + q_lo`` and the FP8 keys enter the dot as stored."""
     k = _load_chunk(k_src, at, C, DC, PAGE_SIZE, BLOCK_N, USE_TMA, MASKED)
     if QK_FP8:
+        tl.static_assert(not FNUZ_BITS, "QK_FP8 takes e4m3fn keys only")
         kt = tl.trans(k)
         return dot_any(q_lo, kt, DOT_FP32, dot_any(q, kt, DOT_FP32, s))
-    return dot_any(q, tl.trans(k.to(q.dtype)), DOT_FP32, s)
+    return dot_any(q, tl.trans(_convert_kv(k, q.dtype, FNUZ_BITS)), DOT_FP32, s)
 
 
 @triton.jit
@@ -223,9 +243,11 @@ def _pv_chunk(
     DOT_FP32: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASKED: tl.constexpr,
+    FNUZ_BITS: tl.constexpr,
 ):
     """``o * alpha + P V[:, chunk C]``."""
-    v = _load_chunk(v_src, at, C, DC, PAGE_SIZE, BLOCK_N, USE_TMA, MASKED).to(p.dtype)
+    v = _load_chunk(v_src, at, C, DC, PAGE_SIZE, BLOCK_N, USE_TMA, MASKED)
+    v = _convert_kv(v, p.dtype, FNUZ_BITS)
     if USE_TMA and MASKED:
         v = tl.where(at.tok_ok[:, None], v, 0.0)
     return dot_any(p, v, DOT_FP32, o * alpha[:, None])
@@ -284,6 +306,7 @@ def _attend_tile(
     QK_FP16: tl.constexpr,
     QK_FP8: tl.constexpr,
     MASKED: tl.constexpr,
+    FNUZ_BITS: tl.constexpr,
 ):
     """One K/V tile of tokens ``start + offs_n`` through the online softmax.
 
@@ -348,6 +371,7 @@ def _attend_tile(
             TILE_TMA,
             QK_FP8,
             MASKED,
+            FNUZ_BITS,
         )
     if QK_FP16 or QK_FP8:
         s = s * q_row_scale[:, None]
@@ -402,7 +426,19 @@ def _attend_tile(
     for c in tl.static_range(CHUNKS):
         o_new += (
             _pv_chunk(
-                o[c], p, alpha, v_src, at, c, DC, PAGE_SIZE, BLOCK_N, DOT_FP32, TILE_TMA, MASKED
+                o[c],
+                p,
+                alpha,
+                v_src,
+                at,
+                c,
+                DC,
+                PAGE_SIZE,
+                BLOCK_N,
+                DOT_FP32,
+                TILE_TMA,
+                MASKED,
+                FNUZ_BITS,
             ),
         )
     return page_fault, m_new, l_i, v_norm, o_new
@@ -482,6 +518,7 @@ def _decode_kernel(
     TAIL_STAGES: tl.constexpr,  # pipeline stages of the masked tail loop
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see grid_dependency)
     TRACE: tl.constexpr,
+    FNUZ_BITS: tl.constexpr,  # K/V hold e4m3fnuz bytes typed as e4m3fn (see _convert_kv)
 ):
     grid_dependency(PDL, False)
     ROWS: tl.constexpr = QUERY_LEN * GROUP
@@ -511,6 +548,8 @@ def _decode_kernel(
     else:
         k_scale = 1.0
         v_scale = 1.0
+    if FNUZ_BITS:
+        qk_scale = qk_scale * 0.5  # the keys as read are twice their fnuz values (_convert_kv)
 
     # int64 so that record offsets cannot overflow.
     work_begin = tl.load(work_indptr_ptr + pid).to(tl.int64)
@@ -676,6 +715,7 @@ def _decode_kernel(
                     QK_FP16,
                     QK_FP8,
                     phase == 1,
+                    FNUZ_BITS,
                 )
 
         # -- epilogue: final rows to out, or a partial for the reducer --
@@ -694,6 +734,8 @@ def _decode_kernel(
             o_unit = v_norm
         else:
             o_unit = v_scale
+        if FNUZ_BITS:
+            o_unit = o_unit * 0.5  # the values as read are twice their fnuz values
         if HAS_SINKS:
             # A work that covers its whole sequence adds its head's sink to the denominator,
             # in log2 units (a cut sequence's is added once, by the reducer; a padding slot
