@@ -196,7 +196,8 @@ def _pick(value, layer_type: str = "full_attention"):
 
 
 def _plan(state: _CacheState, seq_lens, query_start_loc, *, query_len: int, **sizes):
-    key = (seq_lens.shape[0], query_len, query_start_loc is not None, *sorted(sizes.items()))
+    key = (seq_lens.shape[0], seq_lens.device, query_len, query_start_loc is not None)
+    key += tuple(sorted(sizes.items()))
     reuse = state.plans.pop(key, None)
     plan = pagedattn.plan_decode(
         seq_lens, query_len=query_len, query_start_loc=query_start_loc, reuse=reuse, **sizes
