@@ -84,7 +84,7 @@ def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, mon
 
     monkeypatch.setattr(portable, "_decode_kernel", Kernel())
     monkeypatch.setattr(portable, "ReduceStep", lambda *args, **kwargs: lambda *a: None)
-    monkeypatch.setattr(portable, "pdl_enabled", lambda device: False)
+    monkeypatch.setattr(pagedattn.launch, "pdl_enabled", lambda device: False)
     # q_len 4 x 16 heads: 64 rows per kv head
     shape = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=16, query_len=4)
     fp8 = dict(kv_dtype=FP8, kv_scale="per_tensor")

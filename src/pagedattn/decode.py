@@ -390,7 +390,9 @@ class DecodeStep:
             sliding_window=sliding_window, out=out, lse=lse, trace=trace,
         )  # fmt: skip
         if self.family == "gluon":
-            self.launch = _HopperLaunch(shape, **common)
+            from .families.hopper import HopperStep  # (Gluon: imported where it runs)
+
+            self.launch = HopperStep(*checked, **common)
         else:
             self.launch = PortableStep(
                 *checked,
@@ -401,27 +403,6 @@ class DecodeStep:
                 logits_soft_cap=logits_soft_cap,
                 query_start_loc=query_start_loc,
             )
-
-
-class _HopperLaunch:
-    """The Hopper family's launch for one call signature."""
-
-    __slots__ = ("options", "shape")
-
-    def __init__(self, shape, *, sm_scale, kv_layout, sliding_window, **_):
-        self.shape = shape
-        self.options = dict(sm_scale=sm_scale, kv_layout=kv_layout, sliding_window=sliding_window)
-
-    def __call__(
-        self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
-        query_start_loc, out, lse, trace,
-    ) -> None:  # fmt: skip
-        from .families import hopper
-
-        hopper.launch(
-            q, k_cache, v_cache, block_table, seq_lens, plan, self.shape,
-            k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, trace=trace, **self.options,
-        )  # fmt: skip
 
 
 def _raise_faults(plan: DecodePlan) -> None:

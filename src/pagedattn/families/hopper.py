@@ -21,7 +21,7 @@ from .._kernels.hopper.common import NUM_WARPS
 from .._kernels.hopper.kernel import gluon_decode_kernel
 from .._kernels.limits import HOPPER_HEAD_DIMS, HOPPER_TRANSPOSED_ROWS, LOG2E
 from ..backend import hopper_shape_reason
-from ..launch import BoundLaunch, cache_strides, pdl_enabled, pdl_places_evenly, scale_strides
+from ..launch import cache_strides, decode_launch, scale_strides
 from .reduce import ReduceStep
 
 BLOCK_N = 128  # tokens per tile (FP8, head_dim up to 128)
@@ -405,75 +405,16 @@ def gluon_paged_decode(
         )
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if sm_scale is None:
-        sm_scale = shape.head_dim**-0.5
-    launch(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan,
-        shape,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        sm_scale=sm_scale,
-        kv_layout=kv_layout,
-        out=out,
-        lse=lse,
-        sliding_window=sliding_window,
-        stages=stages,
-        half=half,
-        maxnreg=maxnreg,
-        load_regs=load_regs,
-        transposed=transposed,
-    )
-    return out
-
-
-def launch(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    seq_lens,
-    plan,
-    shape,
-    *,
-    k_scale,
-    v_scale,
-    sm_scale,
-    kv_layout,
-    out,
-    lse,
-    sliding_window=None,
-    trace: torch.Tensor | None = None,
-    **tuning,
-):
-    """The decode kernel and the shared reducer on checked, covered arguments, prepared and
-    launched once (``tuning``: see :class:`HopperStep`)."""
     if shape.batch == 0:
-        return
-    step = HopperStep(
-        q, k_cache, v_cache, block_table, seq_lens, plan, shape, k_scale=k_scale,
-        v_scale=v_scale, sm_scale=sm_scale, kv_layout=kv_layout, out=out, lse=lse,
-        sliding_window=sliding_window, trace=trace, **tuning,
-    )  # fmt: skip
-    step(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan,
-        k_scale,
-        v_scale,
-        None,
-        None,
-        out,
-        lse,
-        trace,
-    )
+        return out
+    tensors = (q, k_cache, v_cache, block_table, seq_lens, plan)
+    HopperStep(
+        *tensors, shape, k_scale=k_scale, v_scale=v_scale,
+        sm_scale=shape.head_dim**-0.5 if sm_scale is None else sm_scale, kv_layout=kv_layout,
+        out=out, lse=lse, sliding_window=sliding_window, stages=stages, half=half,
+        maxnreg=maxnreg, load_regs=load_regs, transposed=transposed,
+    )(*tensors, k_scale, v_scale, None, None, out, lse, None)  # fmt: skip
+    return out
 
 
 def descriptor_box(cache, kv_layout, page_size) -> tuple:
@@ -598,19 +539,17 @@ class HopperStep:
             (lse.stride(0) if lse is not None else 0,),
             sm_scale * LOG2E,
         )
-        options = dict(num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}))
-        # Launched early (while the scheduler runs) only where its grid fills every SM exactly.
-        pdl = pdl_enabled(q.device) and pdl_places_evenly(
+        self.launch = decode_launch(
             gluon_decode_kernel,
             self._args(q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
                        out, lse, trace),
-            {**constexprs, **options},
             plan,
             (q.dtype, k_cache.dtype, out.dtype),
+            pdl_flag=False,  # the kernel always waits for the grid before it
+            **constexprs,
+            num_warps=NUM_WARPS,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
         )  # fmt: skip
-        self.launch = BoundLaunch(
-            gluon_decode_kernel, (plan.num_programs,), **constexprs, **options, launch_pdl=pdl
-        )
         self.reduce = ReduceStep(plan, out, lse, reduce_config)
 
     def _args(

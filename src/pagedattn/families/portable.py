@@ -11,16 +11,14 @@ from .._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_ker
 from .._kernels.limits import LOG2E
 from ..checks import FP8_DTYPES, DecodeShape
 from ..launch import (
-    BoundLaunch,
     DecodeLaunchConfig,
     Target,
     cache_strides,
+    decode_launch,
     decode_launch_config,
     device_target,
     head_chunks,
     next_power_of_2,
-    pdl_enabled,
-    pdl_places_evenly,
     scale_strides,
 )
 from .reduce import ReduceStep
@@ -230,19 +228,17 @@ class PortableStep:
             num_stages=config.num_stages,
             **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
         )
-        pdl = pdl_enabled(q.device) and pdl_places_evenly(
+        self.launch = decode_launch(
             _decode_kernel,
             self._args(
                 q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
                 query_start_loc, out, lse, trace,
             ),
-            dict(constexprs, PDL=True),
             plan,
             (q.dtype, k_cache.dtype, out.dtype),
+            pdl_flag=True,
+            **constexprs,
         )  # fmt: skip
-        self.launch = BoundLaunch(
-            _decode_kernel, (plan.num_programs,), **constexprs, PDL=pdl, launch_pdl=pdl
-        )
         self.reduce = ReduceStep(
             plan, out, lse, config.reduce, sinks=sinks, query_start_loc=query_start_loc
         )
