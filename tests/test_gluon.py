@@ -873,6 +873,8 @@ def test_pdl_launches_early_only_where_the_grid_fills_every_sm(gen, kv, sm_share
     real_kernel = hopper.gluon_decode_kernel
 
     class Launches:  # records each launch's launch_pdl, then launches as before
+        fn = real_kernel.fn  # its parameters (BoundLaunch orders the constexprs by them)
+
         def __getitem__(self, grid):
             def run(*args, **kwargs):
                 early.append(kwargs["launch_pdl"])

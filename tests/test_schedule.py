@@ -475,4 +475,4 @@ def test_repeated_plans_reuse_the_prepared_launch(monkeypatch):
         pdl = pagedattn.launch.pdl_enabled(torch.device(DEVICE))
         for launch in launches:
             assert launch.constexprs["PDL"] == pdl
-            assert launch.options.get("launch_pdl", False) == pdl
+            assert launch.options["launch_pdl"] == pdl

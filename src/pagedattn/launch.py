@@ -556,8 +556,7 @@ class BoundLaunch:
         self.grid = tuple(grid)
         self.options = {k: named.pop(k) for k in ("num_stages", "maxnreg") if k in named}
         self.options["num_warps"] = num_warps
-        if launch_pdl:
-            self.options["launch_pdl"] = True
+        self.options["launch_pdl"] = launch_pdl
         self.constexprs = named
         self.values = ()
         self.compiled = None
