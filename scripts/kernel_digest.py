@@ -7,9 +7,9 @@ comparing the output before and after it.
     python scripts/kernel_digest.py [-j JOBS] [--family all|portable|hopper] [NAME ...] > out.txt
 
 The variants follow what ``paged_decode`` launches (``launch.decode_launch_config``, the
-arguments of ``pagedattn.families.portable.PortableStep``) for contiguous NHD caches and queries; integer arguments
-are specialised as a launch does (1 as a constant, multiples of 16 as divisible by 16). Line
-info is left out of the PTX, so that moving code within the source changes no digest.
+arguments of ``families.portable.PortableStep``) for contiguous NHD caches and queries; integer
+arguments are specialised as a launch does (1 as a constant, multiples of 16 as divisible by
+16). Line info is left out of the PTX, so that moving code within the source changes no digest.
 
 The Hopper (Gluon) kernel's variants, named ``gluon-*``, are those its CPU build tests build
 (``tests/test_gluon.py``), through the same ``compile_sm90a``, plus trace stamps, a PDL launch
@@ -397,7 +397,7 @@ def hopper_digest(v: HopperVariant) -> str:
     import triton
     from triton import knobs
 
-    from pagedattn._kernels import gluon_decode
+    from pagedattn.families import hopper
 
     knobs.compilation.disable_line_info = True
     knobs.compilation.always_compile = True
@@ -410,7 +410,7 @@ def hopper_digest(v: HopperVariant) -> str:
 
     log = io.StringIO()
     with contextlib.redirect_stdout(log), unittest.mock.patch.object(triton, "compile", compile_fn):
-        compiled = gluon_decode.compile_sm90a(**dict(v.build))
+        compiled = hopper.compile_sm90a(**dict(v.build))
     assert compiled.metadata.launch_pdl == v.pdl
     ptx = compiled.asm["ptx"]
     text = log.getvalue()
