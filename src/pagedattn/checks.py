@@ -1,9 +1,10 @@
 """Input validation for the public entry points.
 
 Called at the public boundary only (``plan.py``, ``decode.py``, ``cache.py``). Every failure
-is a ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong value or shape) whose message names the argument,
-what was expected and what came. Nothing here reads tensor values, so nothing syncs with the
-GPU: lengths and page ids are checked by the kernels themselves (faults, see ``plan.py``).
+is a ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong value or shape)
+whose message names the argument, what was expected and what came. Nothing here reads tensor
+values, so nothing syncs with the GPU: lengths and page ids are checked by the kernels
+themselves (faults, see ``plan.py``).
 """
 
 from __future__ import annotations
