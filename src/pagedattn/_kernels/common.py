@@ -9,7 +9,21 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .records import FAULT_QUERY_ROWS, FAULT_STALE_PLAN, ROWS_END, ROWS_FIELDS, ROWS_START
+from .records import (
+    FAULT_CAPACITY,
+    FAULT_PAGE_ID,
+    FAULT_QUERY_ROWS,
+    FAULT_STALE_PLAN,
+    ROWS_END,
+    ROWS_FIELDS,
+    ROWS_START,
+    WORK_FIELDS,
+    WORK_KV_HEAD,
+    WORK_PARTIAL_SLOT,
+    WORK_SEQ,
+    WORK_TOKEN_END,
+    WORK_TOKEN_START,
+)
 
 # ln(2): LSEs are kept in log2 units inside the kernels and reported in natural log.
 LN2 = tl.constexpr(0.6931471805599453)
@@ -36,6 +50,25 @@ def dot_any(a, b, DOT_FP32: tl.constexpr, acc=None):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def work_record(works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity):
+    """Work ``w``'s record and its sequence's length, which are not trusted: (seq, kv_head,
+    token_start, token_end, partial slot, seq_len, fault), ``fault`` the codes of a length
+    that changed since planning, exceeds the block table or meets an empty cache."""
+    rec = works_ptr + w * WORK_FIELDS
+    seq = tl.load(rec + WORK_SEQ)
+    kv_head = tl.load(rec + WORK_KV_HEAD)
+    token_start = tl.load(rec + WORK_TOKEN_START)
+    token_end = tl.load(rec + WORK_TOKEN_END)
+    slot = tl.load(rec + WORK_PARTIAL_SLOT)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    planned_len = tl.load(planned_lens_ptr + seq)
+    fault = tl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
+    fault |= tl.where(seq_len > capacity, FAULT_CAPACITY, 0)
+    fault |= tl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+    return seq, kv_head, token_start, token_end, slot, seq_len, fault
 
 
 @triton.jit

@@ -29,19 +29,17 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, dot_any, globaltimer, grid_dependency, row_ranges, smid
-from .records import (
-    FAULT_CAPACITY,
-    FAULT_PAGE_ID,
-    FAULT_SHORT_LENGTH,
-    FAULT_STALE_PLAN,
-    WORK_FIELDS,
-    WORK_KV_HEAD,
-    WORK_PARTIAL_SLOT,
-    WORK_SEQ,
-    WORK_TOKEN_END,
-    WORK_TOKEN_START,
+from .common import (
+    LN2,
+    LOG2E,
+    dot_any,
+    globaltimer,
+    grid_dependency,
+    row_ranges,
+    smid,
+    work_record,
 )
+from .records import FAULT_PAGE_ID, FAULT_SHORT_LENGTH
 
 # Scale modes (constexpr SCALE_MODE).
 SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
@@ -560,21 +558,12 @@ def _decode_kernel(
             trace_on = w - work_begin < TRACE_WORKS
             if trace_on:
                 tl.store(trace_work, globaltimer())
-        rec = works_ptr + w * WORK_FIELDS
-        seq = tl.load(rec + WORK_SEQ)
-        kv_head = tl.load(rec + WORK_KV_HEAD)
-        token_start = tl.load(rec + WORK_TOKEN_START)
-        token_end = tl.load(rec + WORK_TOKEN_END)
-        slot = tl.load(rec + WORK_PARTIAL_SLOT)
-        seq_len = tl.load(seq_lens_ptr + seq)
-        planned_len = tl.load(planned_lens_ptr + seq)
         # -- lengths are not trusted: a work reads no KV and writes NaN rows when its length
         # changed since planning, exceeds the block table, or meets an empty cache; an empty
         # token range with a nonzero length is an invalid length (the scheduler recorded it),
         # with a zero one a padding slot (zero rows) --
-        fault = tl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
-        fault |= tl.where(seq_len > capacity, FAULT_CAPACITY, 0)
-        fault |= tl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+        record = work_record(works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity)
+        seq, kv_head, token_start, token_end, slot, seq_len, fault = record
         if RAGGED:
             # -- the sequence's new tokens are q rows first_row .. first_row + new_tokens - 1;
             # rows that cannot be placed (a faulty range) are not written at all --

@@ -5,17 +5,7 @@ checks of page ids."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..records import (
-    FAULT_CAPACITY,
-    FAULT_PAGE_ID,
-    FAULT_STALE_PLAN,
-    WORK_FIELDS,
-    WORK_KV_HEAD,
-    WORK_PARTIAL_SLOT,
-    WORK_SEQ,
-    WORK_TOKEN_END,
-    WORK_TOKEN_START,
-)
+from ..common import work_record
 
 NUM_WARPS = 4  # the compute warpgroup (the launch's num_warps), which its layouts are made for
 COMPUTE_WARPS = gl.constexpr(NUM_WARPS)  # the same, for the kernel's code
@@ -66,17 +56,8 @@ def work_bounds(
     faulty work reads no KV: its range is made empty. With a sliding window the range starts
     at the tile of the first key any row attends. Every role of a program calls this, so all
     agree on the tiles of each work."""
-    rec = works_ptr + w * WORK_FIELDS
-    seq = gl.load(rec + WORK_SEQ)
-    kv_head = gl.load(rec + WORK_KV_HEAD)
-    token_start = gl.load(rec + WORK_TOKEN_START)
-    token_end = gl.load(rec + WORK_TOKEN_END)
-    slot = gl.load(rec + WORK_PARTIAL_SLOT)
-    seq_len = gl.load(seq_lens_ptr + seq)
-    planned_len = gl.load(planned_lens_ptr + seq)
-    fault = gl.where(seq_len != planned_len, FAULT_STALE_PLAN, 0)
-    fault |= gl.where(seq_len > capacity, FAULT_CAPACITY, 0)
-    fault |= gl.where((num_pages <= 0) & (seq_len > 0), FAULT_PAGE_ID, 0)
+    record = work_record(works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity)
+    seq, kv_head, token_start, token_end, slot, seq_len, fault = record
     invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
     token_end = gl.where(invalid, token_start, token_end)
     if HAS_WINDOW:
