@@ -205,8 +205,11 @@ def test_hopper_step_passes_each_parameter_its_value(monkeypatch):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
     step = hopper.HopperStep(
-        *args5, plan, checked, k_scale=cache.k_scale, v_scale=cache.v_scale, sm_scale=0.125,
-        kv_layout="NHD", out=out, lse=lse,
+        checks.DecodeCall(
+            *args5, plan, checked, sm_scale=0.125, k_scale=cache.k_scale, v_scale=cache.v_scale,
+            kv_layout="NHD", sliding_window=None, sinks=None, logits_soft_cap=None,
+            query_start_loc=None, out=out, lse=lse, trace=None,
+        )
     )  # fmt: skip
     step(*args5, plan, cache.k_scale, cache.v_scale, None, None, out, lse, None)
     (kernel, args), *reducer = launched

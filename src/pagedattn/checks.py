@@ -44,6 +44,42 @@ class DecodeShape(NamedTuple):
     kv_scale: str | None
 
 
+class DecodeCall(NamedTuple):
+    """A checked :func:`pagedattn.paged_decode` call as the kernel families' prepared launches
+    take it: its tensors, its shape (:class:`DecodeShape`) and its options (``sm_scale``
+    resolved; ``out`` and ``lse`` the tensors the call writes)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    plan: object  # DecodePlan
+    shape: DecodeShape
+    sm_scale: float
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    kv_layout: str
+    sliding_window: int | None
+    sinks: torch.Tensor | None
+    logits_soft_cap: float | None
+    query_start_loc: torch.Tensor | None
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    trace: torch.Tensor | None
+    exact_qk: bool = False
+    launch_config: object = None  # DecodeLaunchConfig
+
+    def tensors(self) -> tuple:
+        """What a prepared step is called with, in its order: ``(q, k_cache, v_cache,
+        block_table, seq_lens, plan, k_scale, v_scale, sinks, query_start_loc, out, lse,
+        trace)``."""
+        return (
+            *self[:6], self.k_scale, self.v_scale, self.sinks, self.query_start_loc, self.out,
+            self.lse, self.trace,
+        )  # fmt: skip
+
+
 def tensor_key(x) -> tuple | None:
     """What a call's fast path compares a tensor argument by: shape, strides, dtype, device and
     whether its data is 16-byte aligned (kernels specialise on that). ``None`` stays ``None``.

@@ -384,25 +384,18 @@ class DecodeStep:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         if sm_scale is None:
             sm_scale = shape.head_dim**-0.5
-        checked = (q, k_cache, v_cache, block_table, seq_lens, plan, shape)
-        common = dict(
-            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
-            sliding_window=sliding_window, out=out, lse=lse, trace=trace,
+        call = checks.DecodeCall(
+            q, k_cache, v_cache, block_table, seq_lens, plan, shape, sm_scale=sm_scale,
+            k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, sliding_window=sliding_window,
+            sinks=sinks, logits_soft_cap=logits_soft_cap, query_start_loc=query_start_loc,
+            out=out, lse=lse, trace=trace, exact_qk=exact_qk, launch_config=launch_config,
         )  # fmt: skip
         if self.family == "gluon":
             from .families.hopper import HopperStep  # (Gluon: imported where it runs)
 
-            self.launch = HopperStep(*checked, **common)
+            self.launch = HopperStep(call)
         else:
-            self.launch = PortableStep(
-                *checked,
-                **common,
-                exact_qk=exact_qk,
-                launch_config=launch_config,
-                sinks=sinks,
-                logits_soft_cap=logits_soft_cap,
-                query_start_loc=query_start_loc,
-            )
+            self.launch = PortableStep(call)
 
 
 def _raise_faults(plan: DecodePlan) -> None:

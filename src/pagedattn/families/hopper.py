@@ -21,6 +21,7 @@ from .._kernels.hopper.common import NUM_WARPS
 from .._kernels.hopper.kernel import gluon_decode_kernel
 from .._kernels.limits import HOPPER_HEAD_DIMS, HOPPER_TRANSPOSED_ROWS, LOG2E
 from ..backend import hopper_shape_reason
+from ..checks import DecodeCall
 from ..launch import cache_strides, decode_launch, scale_strides
 from .reduce import ReduceStep
 
@@ -407,13 +408,17 @@ def gluon_paged_decode(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if shape.batch == 0:
         return out
-    tensors = (q, k_cache, v_cache, block_table, seq_lens, plan)
-    HopperStep(
-        *tensors, shape, k_scale=k_scale, v_scale=v_scale,
-        sm_scale=shape.head_dim**-0.5 if sm_scale is None else sm_scale, kv_layout=kv_layout,
-        out=out, lse=lse, sliding_window=sliding_window, stages=stages, half=half,
-        maxnreg=maxnreg, load_regs=load_regs, transposed=transposed,
-    )(*tensors, k_scale, v_scale, None, None, out, lse, None)  # fmt: skip
+    call = checks.DecodeCall(
+        q, k_cache, v_cache, block_table, seq_lens, plan, shape,
+        sm_scale=shape.head_dim**-0.5 if sm_scale is None else sm_scale, k_scale=k_scale,
+        v_scale=v_scale, kv_layout=kv_layout, sliding_window=sliding_window, sinks=None,
+        logits_soft_cap=None, query_start_loc=None, out=out, lse=lse, trace=None,
+    )  # fmt: skip
+    step = HopperStep(
+        call, stages=stages, half=half, maxnreg=maxnreg, load_regs=load_regs,
+        transposed=transposed,
+    )  # fmt: skip
+    step(*call.tensors())
     return out
 
 
@@ -473,22 +478,8 @@ class HopperStep:
 
     def __init__(
         self,
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan,
-        shape,
+        call: DecodeCall,
         *,
-        k_scale,
-        v_scale,
-        sm_scale,
-        kv_layout,
-        out,
-        lse,
-        sliding_window=None,
-        trace: torch.Tensor | None = None,
         stages: int = DEFAULT_STAGES,
         half: int | None = None,
         maxnreg: int | None = DEFAULT_MAXNREG,
@@ -496,6 +487,11 @@ class HopperStep:
         transposed: bool | None = None,
         reduce_config=None,
     ):
+        q, k_cache, v_cache, block_table, seq_lens, plan, shape = call[:7]
+        k_scale, v_scale, kv_layout, out, lse = (
+            call.k_scale, call.v_scale, call.kv_layout, call.out, call.lse
+        )  # fmt: skip
+        sliding_window, trace = call.sliding_window, call.trace
         group = shape.num_q_heads // shape.num_kv_heads
         # The kernel reads query rows as contiguous 16-byte runs.
         self.contiguous_q = q.stride(2) != 1
@@ -537,7 +533,7 @@ class HopperStep:
             ),
             (out.stride(0), out.stride(1)),
             (lse.stride(0) if lse is not None else 0,),
-            sm_scale * LOG2E,
+            call.sm_scale * LOG2E,
         )
         self.launch = decode_launch(
             gluon_decode_kernel,

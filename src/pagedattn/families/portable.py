@@ -9,7 +9,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._kernels.common import interpreting
 from .._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_kernel
 from .._kernels.limits import LOG2E
-from ..checks import FP8_DTYPES, DecodeShape
+from ..checks import FP8_DTYPES, DecodeCall, DecodeShape
 from ..launch import (
     DecodeLaunchConfig,
     Target,
@@ -135,30 +135,15 @@ class PortableStep:
 
     __slots__ = ("boxes", "fnuz_bits", "grid_ints", "launch", "reduce", "scale_ints", "strides")
 
-    def __init__(
-        self,
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan,
-        shape: DecodeShape,
-        *,
-        sm_scale,
-        k_scale,
-        v_scale,
-        kv_layout,
-        sliding_window,
-        out,
-        lse,
-        exact_qk,
-        launch_config,
-        trace,
-        sinks=None,
-        logits_soft_cap=None,
-        query_start_loc=None,
-    ):
+    def __init__(self, call: DecodeCall):
+        q, k_cache, v_cache, block_table, _, plan, shape = call[:7]
+        k_scale, v_scale, kv_layout, out, lse = (
+            call.k_scale, call.v_scale, call.kv_layout, call.out, call.lse
+        )  # fmt: skip
+        sliding_window, logits_soft_cap, sinks = (
+            call.sliding_window, call.logits_soft_cap, call.sinks
+        )  # fmt: skip
+        trace, launch_config = call.trace, call.launch_config
         target = device_target(q.device)
         if trace is not None and target.amd:
             raise ValueError("tracing: expected an NVIDIA GPU (its stamps are PTX), got an AMD one")
@@ -202,7 +187,7 @@ class PortableStep:
             out.stride(1),
             lse.stride(0) if lse is not None else 0,
             plan.lse_offset,
-            sm_scale * LOG2E,
+            call.sm_scale * LOG2E,
             (logits_soft_cap or 1.0) * LOG2E,
             2.0 / (logits_soft_cap or 1.0),
             sliding_window or 0,
@@ -220,7 +205,7 @@ class PortableStep:
                 soft_cap=logits_soft_cap is not None,
                 sinks=sinks is not None,
                 lse=lse is not None,
-                exact_qk=exact_qk,
+                exact_qk=call.exact_qk,
                 trace=trace is not None,
                 fnuz_bits=self.fnuz_bits,
             ),
@@ -230,17 +215,14 @@ class PortableStep:
         )
         self.launch = decode_launch(
             _decode_kernel,
-            self._args(
-                q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
-                query_start_loc, out, lse, trace,
-            ),
+            self._args(*call.tensors()),
             plan,
             (q.dtype, k_cache.dtype, out.dtype),
             pdl_flag=True,
             **constexprs,
         )  # fmt: skip
         self.reduce = ReduceStep(
-            plan, out, lse, config.reduce, sinks=sinks, query_start_loc=query_start_loc
+            plan, out, lse, config.reduce, sinks=sinks, query_start_loc=call.query_start_loc
         )
 
     def _args(
