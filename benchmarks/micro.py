@@ -31,7 +31,7 @@ from pagedattn.bench.cases import KV_DTYPES, Case, kv_bytes
 from pagedattn.bench.ceiling import measure_read_gbps
 from pagedattn.bench.run import ERROR_BOUNDS, fixed_plan_call, make_cache, make_query
 from pagedattn.bench.timing import host_time_us, time_graph
-from pagedattn.families.reduce import ReduceStep, reduce_partials
+from pagedattn.families.reduce import ReduceStep
 from pagedattn.launch import (
     DecodeLaunchConfig,
     ReduceLaunchConfig,
@@ -131,10 +131,12 @@ def reduce(args: argparse.Namespace) -> None:
                 block_r, block_d, slot_block, warps = (int(x) for x in text.split("x"))
                 tile = ReduceLaunchConfig(block_r, block_d, slot_block, num_warps=warps)
             out = torch.full_like(ref, float("nan"))
-            reduce_partials(plan, out, None, tile)
+            alone = functools.partial(
+                ReduceStep(plan, out, None, tile), plan, out, None, None, None
+            )
+            alone()
             torch.cuda.synchronize()
             diff = rel_error(out[rows], ref[rows])
-            alone = functools.partial(reduce_partials, plan, out, None, tile)
             us = time_graph([alone] * GRAPH_CALLS).us_p50
             print(f"| {shape} | {records} | {slots} | {text} | {us:.2f} | {diff:.1e} |")
 
@@ -176,7 +178,7 @@ def parts(args: argparse.Namespace) -> None:
         skip = lambda *a, **k: None  # noqa: E731
         with unittest.mock.patch.object(ReduceStep, "__call__", skip):
             decode_alone = timed(decode)
-        reduce_alone = functools.partial(reduce_partials, plan, out, None)
+        reduce_alone = functools.partial(ReduceStep(plan, out, None), plan, out, None, None, None)
         times = [timed(whole), timed(decode), decode_alone, timed(refill), timed(reduce_alone)]
         works = int(plan.work_indptr[-1])
         print(f"| {batch}x{context}x{query_len} | {scale} | "

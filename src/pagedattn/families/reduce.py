@@ -22,7 +22,13 @@ from ..plan import DecodePlan, run_slots
 class ReduceStep:
     """The reducer's launch prepared for one call signature (the plan's sizes, ``out``'s and
     ``lse``'s shapes and strides, sinks and ragged rows or not); called with that call's
-    tensors. A plan that can cut no sequence (``max_reduces == 0``) launches nothing."""
+    tensors ``(plan, out, lse, sinks, query_start_loc)``, it merges the partials the decode
+    kernel left in ``plan`` into ``out`` (and ``lse``), adding each head's sink once per cut
+    sequence and placing rows by ``query_start_loc`` for a ragged plan. ``config`` None:
+    :func:`pagedattn.launch.reduce_launch_config`, or for a batch-invariant plan
+    :func:`pagedattn.launch.invariant_reduce_config`. A plan that can cut no sequence
+    (``max_reduces == 0``) launches nothing. Benchmarks time it by itself; it checks no
+    arguments."""
 
     __slots__ = ("args", "launch")
 
@@ -116,23 +122,3 @@ class ReduceStep:
             planned,
             sinks if sinks is not None else partials,  # read if HAS_SINKS
         )
-
-
-def reduce_partials(
-    plan: DecodePlan,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    config: ReduceLaunchConfig | None = None,
-    *,
-    sinks: torch.Tensor | None = None,
-    query_start_loc: torch.Tensor | None = None,
-) -> None:
-    """Launches the split reducer alone: merges the partials the decode kernel left in
-    ``plan`` into ``out`` (and ``lse``), adding each head's sink (``sinks``) once per cut
-    sequence and placing rows by ``query_start_loc`` for a ragged plan. Benchmarks time it by
-    itself; it checks no arguments. ``config`` None:
-    :func:`pagedattn.launch.reduce_launch_config`, or for a batch-invariant plan
-    :func:`pagedattn.launch.invariant_reduce_config`. A plan that can cut no sequence
-    (``max_reduces == 0``) launches nothing."""
-    step = ReduceStep(plan, out, lse, config, sinks=sinks, query_start_loc=query_start_loc)
-    step(plan, out, lse, sinks, query_start_loc)
