@@ -23,7 +23,7 @@ from ._kernels.append import _append_kv_kernel
 from ._kernels.common import interpreting
 from .backend import through_ops
 from .checks import tensor_key
-from .launch import BoundLaunch, next_power_of_2
+from .launch import BoundLaunch, cache_strides, next_power_of_2, scale_strides
 from .plan import MAX_SIGNATURES
 
 __all__ = [
@@ -537,18 +537,8 @@ def append_kv(
     except (AttributeError, TypeError):  # not a tensor, unhashable: full checks
         key = step = None
     if step is None:
-        step = _append_step(
-            k,
-            v,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            kv_layout=kv_layout,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            kv_scale=kv_scale,
-            debug=debug,
-        )
+        arguments = (k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale)
+        step = _append_step(*arguments, debug)
         if key is not None:
             if len(_APPEND_STEPS) >= MAX_SIGNATURES:
                 _APPEND_STEPS.clear()
@@ -586,7 +576,7 @@ _APPEND_STEPS: dict[tuple, AppendStep] = {}
 
 
 def _append_step(
-    k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale, kv_scale, debug
+    k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale, debug
 ) -> AppendStep:
     """:func:`append_kv`'s full path: checks the arguments (raising the clear errors) and
     prepares the launch."""
@@ -605,17 +595,6 @@ def _append_step(
     num_slots = shape.num_pages * shape.page_size
     fp8 = kv_scale is not None
     fp8_max, exponent_bias, negative_zero = APPEND_FP8_FORMATS.get(k_cache.dtype, (0.0, 0, True))
-
-    def cache_strides(cache):
-        # (page, slot, head, dim), whatever the layout
-        s = cache.stride()
-        return s if kv_layout == "NHD" else (s[0], s[2], s[1], s[3])
-
-    def scale_strides(scale):
-        if kv_scale != "per_token":
-            return (0, 0, 0)
-        s = scale.stride()
-        return s if kv_layout == "NHD" else (s[0], s[2], s[1])
 
     launch = None
     if shape.num_tokens and shape.num_kv_heads and num_slots:
@@ -638,10 +617,10 @@ def _append_step(
     ints = (
         *k.stride()[:2],
         *v.stride()[:2],
-        *cache_strides(k_cache),
-        *cache_strides(v_cache),
-        *scale_strides(k_scale),
-        *scale_strides(v_scale),
+        *cache_strides(k_cache, kv_layout),
+        *cache_strides(v_cache, kv_layout),
+        *scale_strides(k_scale, kv_layout),  # read with per-token scales only
+        *scale_strides(v_scale, kv_layout),
         shape.page_size,
         num_slots,
     )

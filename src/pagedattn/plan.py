@@ -778,22 +778,10 @@ def plan_decode(
         key = step = None
     if step is None:
         step = _plan_step(
-            seq_lens,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            page_size=page_size,
-            query_len=query_len,
-            kv_dtype=kv_dtype,
-            kv_scale=kv_scale,
-            num_programs=num_programs,
-            partition_size=partition_size,
-            reuse=reuse,
-            max_seq_len=max_seq_len,
-            schedule_config=schedule_config,
-            query_start_loc=query_start_loc,
-            batch_invariant=batch_invariant,
-        )
+            seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, query_len, kv_dtype,
+            kv_scale, num_programs, partition_size, reuse, max_seq_len, schedule_config,
+            query_start_loc, batch_invariant,
+        )  # fmt: skip
         if key is not None:
             if len(_PLAN_STEPS) >= MAX_SIGNATURES:
                 _PLAN_STEPS.clear()
@@ -826,23 +814,10 @@ class PlanStep:
 
 
 def _plan_step(
-    seq_lens,
-    *,
-    num_q_heads,
-    num_kv_heads,
-    head_dim,
-    page_size,
-    query_len,
-    kv_dtype,
-    kv_scale,
-    num_programs,
-    partition_size,
-    reuse,
-    max_seq_len,
-    schedule_config,
-    query_start_loc,
+    seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, query_len, kv_dtype, kv_scale,
+    num_programs, partition_size, reuse, max_seq_len, schedule_config, query_start_loc,
     batch_invariant,
-) -> PlanStep:
+) -> PlanStep:  # fmt: skip
     """:func:`plan_decode`'s full path: checks the arguments (raising the clear errors), makes
     every choice (grid, partition, family) and prepares the scheduler's launch."""
     num_q_heads, num_kv_heads, head_dim, page_size, query_len = map(
