@@ -53,6 +53,19 @@ def dot_any(a, b, DOT_FP32: tl.constexpr, acc=None):
 
 
 @triton.jit
+def tensor_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE: tl.constexpr):
+    """K's and V's scales per tensor (``SCALE_MODE`` 1), else 1 (per token they are read per
+    tile; no scales, none)."""
+    if SCALE_MODE == 1:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
+
+
+@triton.jit
 def work_record(works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity):
     """Work ``w``'s record and its sequence's length, which are not trusted: (seq, kv_head,
     token_start, token_end, partial slot, seq_len, fault), ``fault`` the codes of a length

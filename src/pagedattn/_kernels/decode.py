@@ -37,6 +37,7 @@ from .common import (
     grid_dependency,
     row_ranges,
     smid,
+    tensor_scales,
     work_record,
 )
 from .records import FAULT_PAGE_ID, FAULT_SHORT_LENGTH
@@ -47,6 +48,28 @@ SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN = 0, 1, 2
 # first TRACE_WORKS.
 TRACE_WORKS = tl.constexpr(4)
 TRACE_SLOTS = tl.constexpr(3 + 3 * TRACE_WORKS.value)
+
+
+@triton.jit
+def trace_program_start(trace_ptr):
+    """Profiling stamps (TRACE): this program's row of ``trace_ptr``, its start and its SM
+    stamped. A row: [0] program start, [1] program end, [2] the SM, [3 + 3i + (0, 1, 2)]: work
+    i's start, its first tile, its epilogue; for works i < TRACE_WORKS."""
+    trace_row = trace_ptr + tl.program_id(0) * TRACE_SLOTS
+    tl.store(trace_row, globaltimer())
+    tl.store(trace_row + 2, smid().to(tl.int64))
+    return trace_row
+
+
+@triton.jit
+def trace_work_start(trace_row, w, work_begin):
+    """Work ``w``'s stamps in the program's row (see :func:`trace_program_start`) and whether it
+    has them (the program's first TRACE_WORKS works); its start stamped."""
+    stamps = trace_row + 3 + (w - work_begin) * 3
+    on = w - work_begin < TRACE_WORKS
+    if on:
+        tl.store(stamps, globaltimer())
+    return stamps, on
 
 
 @triton.jit
@@ -528,24 +551,15 @@ def _decode_kernel(
     partial_lse_ptr = partial_out_ptr + lse_offset
     pid = tl.program_id(0)
     if TRACE:
-        # [0] program start, [1] program end, [2] the SM, [3 + 3i + (0, 1, 2)]: work i's
-        # start, its first tile (records and queries loaded), its epilogue; for works i <
-        # TRACE_WORKS.
-        trace_row = trace_ptr + pid * TRACE_SLOTS
-        tl.store(trace_row, globaltimer())
-        tl.store(trace_row + 2, smid().to(tl.int64))
+        # A work's first-tile stamp: its records and queries loaded.
+        trace_row = trace_program_start(trace_ptr)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     # Row r is query token r // GROUP, head r % GROUP of the kv head's group.
     row_tok = offs_m // GROUP
     row_head = offs_m % GROUP
 
-    if SCALE_MODE == 1:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    else:
-        k_scale = 1.0
-        v_scale = 1.0
+    k_scale, v_scale = tensor_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
     if FNUZ_BITS:
         qk_scale = qk_scale * 0.5  # the keys as read are twice their fnuz values (_convert_kv)
 
@@ -554,10 +568,7 @@ def _decode_kernel(
     work_end = tl.load(work_indptr_ptr + pid + 1).to(tl.int64)
     for w in range(work_begin, work_end):
         if TRACE:
-            trace_work = trace_row + 3 + (w - work_begin) * 3
-            trace_on = w - work_begin < TRACE_WORKS
-            if trace_on:
-                tl.store(trace_work, globaltimer())
+            trace_work, trace_on = trace_work_start(trace_row, w, work_begin)
         # -- lengths are not trusted: a work reads no KV and writes NaN rows when its length
         # changed since planning, exceeds the block table, or meets an empty cache; an empty
         # token range with a nonzero length is an invalid length (the scheduler recorded it),

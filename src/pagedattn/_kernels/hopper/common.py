@@ -2,8 +2,11 @@
 (programmatic dependent launch), a work's bounds with the checks of its lengths, and the
 checks of page ids."""
 
+from typing import NamedTuple
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..common import work_record
 
@@ -19,49 +22,61 @@ def wait_for_prior_grid():
     """Programmatic dependent launch: waits until the grid launched before this one (the
     scheduler) has finished and its writes are visible. Every role calls it before touching
     memory; in a plain launch it returns at once."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-    )
+    gdc_wait()
 
 
 @gluon.jit
 def release_dependents():
     """Programmatic dependent launch: lets the next grid (the reducer) be placed once every
     program has called this or exited; it still waits for this grid's writes."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // dummy $0",
-        "=r",
-        [],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    gdc_launch_dependents()
+
+
+class WorkList(NamedTuple):
+    """The plan's work list as every role walks it: the sequences' lengths, ``work_indptr``
+    and the works (records.py), the lengths the plan was made from, and what a work's length
+    checks read besides (the cache's pages, the block table's capacity in tokens, the sliding
+    window)."""
+
+    seq_lens_ptr: gl.tensor
+    work_indptr_ptr: gl.tensor
+    works_ptr: gl.tensor
+    planned_lens_ptr: gl.tensor
+    num_pages: gl.tensor
+    capacity: gl.tensor
+    window: gl.tensor
 
 
 @gluon.jit
-def work_bounds(
-    works_ptr,
-    w,
-    seq_lens_ptr,
-    planned_lens_ptr,
-    num_pages,
-    capacity,
-    window,
-    BLOCK: gl.constexpr,
-    QLEN: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-):
-    """Work ``w``'s record and the checks of its lengths (they are not trusted, see ``_kernels/decode.py``):
+def program_works(work_list):
+    """This program's works, ``work_begin`` to ``work_end`` (int64: record offsets cannot
+    overflow)."""
+    pid = gl.program_id(0)
+    work_begin = gl.load(work_list.work_indptr_ptr + pid).to(gl.int64)
+    work_end = gl.load(work_list.work_indptr_ptr + pid + 1).to(gl.int64)
+    return work_begin, work_end
+
+
+@gluon.jit
+def work_bounds(work_list, w, BLOCK: gl.constexpr, QLEN: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    """Work ``w``'s record and the checks of its lengths (not trusted, see ``work_record``):
     (seq, kv_head, token_start, token_end, partial slot, seq_len, fault, invalid, tiles). A
     faulty work reads no KV: its range is made empty. With a sliding window the range starts
     at the tile of the first key any row attends. Every role of a program calls this, so all
     agree on the tiles of each work."""
-    record = work_record(works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity)
+    record = work_record(
+        work_list.works_ptr,
+        w,
+        work_list.seq_lens_ptr,
+        work_list.planned_lens_ptr,
+        work_list.num_pages,
+        work_list.capacity,
+    )
     seq, kv_head, token_start, token_end, slot, seq_len, fault = record
     invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
     token_end = gl.where(invalid, token_start, token_end)
     if HAS_WINDOW:
-        first_key = gl.maximum(seq_len - QLEN - window + 1, 0)
+        first_key = gl.maximum(seq_len - QLEN - work_list.window + 1, 0)
         token_start = gl.maximum(token_start, first_key // BLOCK * BLOCK)
     n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
     return seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles

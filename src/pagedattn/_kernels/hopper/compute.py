@@ -10,11 +10,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..common import globaltimer, smid
-from ..decode import TRACE_SLOTS, TRACE_WORKS
+from ..common import globaltimer, tensor_scales
+from ..decode import trace_program_start, trace_work_start
 from .common import (
     COMPUTE_WARPS,
     clamped_page,
+    program_works,
     release_dependents,
     wait_for_prior_grid,
     work_bounds,
@@ -32,9 +33,7 @@ def _round_4_bits(x):
 
 @gluon.jit
 def _load_query(
-    q_ptr,
-    stride_q_tok,
-    stride_q_head,
+    query,
     seq,
     kv_head,
     qhi_s,
@@ -49,7 +48,9 @@ def _load_query(
     """The kv head's query rows (row r: new token r // GROUP, query head r % GROUP of the
     group) in shared memory; returns the row scales. FP8 keys: as hi + lo e4m3 terms, each
     row scaled by a power of two (largest value in [128, 256)); 16-bit keys (``KV16``): as
-    they are, in ``qhi_s`` (the query has the keys' dtype), scales of one."""
+    they are, in ``qhi_s`` (the query has the keys' dtype), scales of one. ``query``: q's
+    pointer, token and head strides."""
+    q_ptr, stride_q_tok, stride_q_head = query
     rq = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     q_tok = seq.to(gl.int64) * QLEN + rq // GROUP
@@ -290,9 +291,7 @@ def _values16(
 
 @gluon.jit
 def compute_partition(
-    q_ptr,
-    stride_q_tok,
-    stride_q_head,
+    query,
     k2,
     v2,
     v16_s,
@@ -304,32 +303,12 @@ def compute_partition(
     empty,
     vconv,
     v16free,
-    k_scale_ptr,
-    stride_ks_page,
-    stride_ks_slot,
-    stride_ks_head,
-    v_scale_ptr,
-    stride_vs_page,
-    stride_vs_slot,
-    stride_vs_head,
-    block_table_ptr,
-    stride_bt,
-    stride_bt_col,
-    num_pages,
-    capacity,
-    window,
-    seq_lens_ptr,
-    work_indptr_ptr,
-    works_ptr,
-    planned_lens_ptr,
+    k_scales,
+    v_scales,
+    table,
+    work_list,
     faults_ptr,
-    out_ptr,
-    stride_o_tok,
-    stride_o_head,
-    lse_ptr,
-    stride_lse_tok,
-    partial_out_ptr,
-    partial_lse_ptr,
+    outputs,
     qk_scale,
     trace_ptr,
     GROUP: gl.constexpr,
@@ -352,7 +331,8 @@ def compute_partition(
     then the epilogue. ``TRANSPOSED``: S^T = K Q^T with the query rows as the MMAs' N
     dimension (8 or 16), row sums per thread, P through shared memory; else S = Q K^T with
     64 query rows as M, row sums per tile, P in registers. ``KV16``: a 16-bit cache in
-    64-token tiles, its K and V multiplied as they are in the slot."""
+    64-token tiles, its K and V multiplied as they are in the slot. ``k_scales``,
+    ``v_scales``: a scale's pointer, then its page, slot and head strides."""
     KW: gl.constexpr = 32 - 16 * KV16  # the MMAs' K step: 32 bytes
     TOK_AXIS: gl.constexpr = 1 - TRANSPOSED  # of the scores (and the head_dim of O)
     ROW_AXIS: gl.constexpr = TRANSPOSED
@@ -382,61 +362,26 @@ def compute_partition(
     pg_l: gl.constexpr = lanes_layout(
         COMPUTE_WARPS
     )  # page ids of a gathered tile, a token a thread
+    k_scale_ptr, stride_ks_page, stride_ks_slot, stride_ks_head = k_scales
+    v_scale_ptr, stride_vs_page, stride_vs_slot, stride_vs_head = v_scales
+    block_table_ptr, stride_bt, stride_bt_col = table
     if TRACE:
-        # Profiling stamps (see TRACE_SLOTS): start, end, SM, then per work of the first
-        # TRACE_WORKS its start, its first tile's K in the slot and its epilogue.
-        trace_row = trace_ptr + gl.program_id(0) * TRACE_SLOTS
-        gl.store(trace_row, globaltimer())
-        gl.store(trace_row + 2, smid().to(gl.int64))
+        # A work's first-tile stamp: its first tile's K in the slot.
+        trace_row = trace_program_start(trace_ptr)
     wait_for_prior_grid()
-    if SCALE_MODE == 1:
-        k_scale = gl.load(k_scale_ptr)
-        v_scale = gl.load(v_scale_ptr)
-    else:
-        k_scale = 1.0
-        v_scale = 1.0
+    k_scale, v_scale = tensor_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
     offs_s = gl.arange(0, BLOCK, layout=tok_l)
     offs_pg = gl.arange(0, BLOCK, layout=pg_l)
     row_tok = gl.arange(0, R, layout=row_l) // GROUP
-    pid = gl.program_id(0)
-    work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
-    work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
+    work_begin, work_end = program_works(work_list)
     it = 0
     for w in range(work_begin, work_end):
         if TRACE:
-            trace_work = trace_row + 3 + (w - work_begin) * 3
-            trace_on = w - work_begin < TRACE_WORKS
-            if trace_on:
-                gl.store(trace_work, globaltimer())
-        bounds = work_bounds(
-            works_ptr,
-            w,
-            seq_lens_ptr,
-            planned_lens_ptr,
-            num_pages,
-            capacity,
-            window,
-            BLOCK,
-            QLEN,
-            HAS_WINDOW,
-        )
+            trace_work, trace_on = trace_work_start(trace_row, w, work_begin)
+        bounds = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
         seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles = bounds
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-        q_scale = _load_query(
-            q_ptr,
-            stride_q_tok,
-            stride_q_head,
-            seq,
-            kv_head,
-            qhi_s,
-            qlo_s,
-            GROUP,
-            QLEN,
-            R,
-            D,
-            KV16,
-            blk,
-        )
+        q_scale = _load_query(query, seq, kv_head, qhi_s, qlo_s, GROUP, QLEN, R, D, KV16, blk)
         row_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), row_l)
         # Absolute position of each row's new token: it attends keys up to it.
         pos = seq_len - QLEN + row_tok
@@ -461,7 +406,7 @@ def compute_partition(
                 stride_vs_page,
                 stride_vs_slot,
                 token_end,
-                num_pages,
+                work_list.num_pages,
                 offs_s,
                 offs_pg,
             )
@@ -522,7 +467,7 @@ def compute_partition(
                 token_end,
                 pos,
                 ks,
-                window,
+                work_list.window,
                 SCALE_MODE,
                 QLEN,
                 HAS_WINDOW,
@@ -577,13 +522,7 @@ def compute_partition(
             kv_head,
             slot,
             faults_ptr,
-            out_ptr,
-            stride_o_tok,
-            stride_o_head,
-            lse_ptr,
-            stride_lse_tok,
-            partial_out_ptr,
-            partial_lse_ptr,
+            outputs,
             GROUP,
             QLEN,
             R,

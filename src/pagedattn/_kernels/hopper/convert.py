@@ -5,7 +5,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .common import CONVERT_WARPS, wait_for_prior_grid, work_bounds
+from .common import CONVERT_WARPS, program_works, wait_for_prior_grid, work_bounds
 from .layouts import rows_layout
 
 
@@ -28,13 +28,7 @@ def convert_partition(
     empty,
     vconv,
     v16free,
-    seq_lens_ptr,
-    work_indptr_ptr,
-    works_ptr,
-    planned_lens_ptr,
-    num_pages,
-    capacity,
-    window,
+    work_list,
     STAGES: gl.constexpr,
     QLEN: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
@@ -53,23 +47,11 @@ def convert_partition(
     if CONVERT:
         cl: gl.constexpr = rows_layout(D, CONVERT_WARPS)
         wait_for_prior_grid()
-        pid = gl.program_id(0)
-        work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
-        work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
+        work_begin, work_end = program_works(work_list)
         it = 0
         for w in range(work_begin, work_end):
-            _, _, token_start, token_end, _, _, _, _, n_tiles = work_bounds(
-                works_ptr,
-                w,
-                seq_lens_ptr,
-                planned_lens_ptr,
-                num_pages,
-                capacity,
-                window,
-                BLOCK,
-                QLEN,
-                HAS_WINDOW,
-            )
+            bounds = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
+            _, _, token_start, token_end, _, _, _, _, n_tiles = bounds
             for i in range(n_tiles):
                 g = it + i
                 buf = g % STAGES

@@ -1,10 +1,25 @@
 """The epilogue of the Hopper decode kernel's compute warpgroup: a work's faults, then its
 rows to ``out`` (and LSE) or to its partial slot for the shared reducer."""
 
+from typing import NamedTuple
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 LN2 = gl.constexpr(0.6931471805599453)
+
+
+class Outputs(NamedTuple):
+    """Where a work's rows go: ``out`` (rows of q tokens and query heads) and its LSE, or the
+    work's partial slot in the partial rows and their LSEs."""
+
+    out_ptr: gl.tensor
+    stride_o_tok: gl.tensor
+    stride_o_head: gl.tensor
+    lse_ptr: gl.tensor
+    stride_lse_tok: gl.tensor
+    partial_out_ptr: gl.tensor
+    partial_lse_ptr: gl.tensor
 
 
 @gluon.jit
@@ -19,13 +34,7 @@ def epilogue(
     kv_head,
     slot,
     faults_ptr,
-    out_ptr,
-    stride_o_tok,
-    stride_o_head,
-    lse_ptr,
-    stride_lse_tok,
-    partial_out_ptr,
-    partial_lse_ptr,
+    outputs,
     GROUP: gl.constexpr,
     QLEN: gl.constexpr,
     R: gl.constexpr,
@@ -62,15 +71,17 @@ def epilogue(
     rl = gl.arange(0, R, layout=row_l)
     if slot < 0:
         q_tok = seq.to(gl.int64) * QLEN + rr // GROUP
-        rows = q_tok * stride_o_tok + (kv_head * GROUP + rr % GROUP) * stride_o_head
-        o_ptrs = out_ptr + gl.expand_dims(rows, TOK_AXIS) + dd
-        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok)
+        rows = q_tok * outputs.stride_o_tok + (kv_head * GROUP + rr % GROUP) * outputs.stride_o_head
+        o_ptrs = outputs.out_ptr + gl.expand_dims(rows, TOK_AXIS) + dd
+        gl.store(o_ptrs, o.to(outputs.out_ptr.dtype.element_ty), mask=row_ok)
         if WRITE_LSE:
             lse_tok = seq.to(gl.int64) * QLEN + rl // GROUP
-            lse_ptrs = lse_ptr + lse_tok * stride_lse_tok + kv_head * GROUP + rl % GROUP
+            lse_ptrs = (
+                outputs.lse_ptr + lse_tok * outputs.stride_lse_tok + kv_head * GROUP + rl % GROUP
+            )
             gl.store(lse_ptrs, lse2 * LN2, mask=rl < ROWS)
     else:
         base = slot.to(gl.int64) * ROWS
-        p_ptrs = partial_out_ptr + gl.expand_dims((base + rr) * D, TOK_AXIS) + dd
+        p_ptrs = outputs.partial_out_ptr + gl.expand_dims((base + rr) * D, TOK_AXIS) + dd
         gl.store(p_ptrs, o, mask=row_ok)
-        gl.store(partial_lse_ptr + base + rl, lse2, mask=rl < ROWS)
+        gl.store(outputs.partial_lse_ptr + base + rl, lse2, mask=rl < ROWS)

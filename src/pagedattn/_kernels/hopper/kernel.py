@@ -5,9 +5,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .common import CONVERT_WARPS
+from .common import CONVERT_WARPS, WorkList
 from .compute import compute_partition
 from .convert import convert_partition
+from .epilogue import Outputs
 from .load import load_partition
 
 
@@ -123,14 +124,26 @@ def gluon_decode_kernel(
         mbarrier.init(vready.index(st), count=1)
         mbarrier.init(empty.index(st), count=1 + CONVERT)
     fence_async_shared()
+    # What the roles read besides, each grouped once.
+    table = (block_table_ptr, stride_bt, stride_bt_col)
+    work_list = WorkList(
+        seq_lens_ptr, work_indptr_ptr, works_ptr, planned_lens_ptr, num_pages, capacity, window
+    )
+    outputs = Outputs(
+        out_ptr,
+        stride_o_tok,
+        stride_o_head,
+        lse_ptr,
+        stride_lse_tok,
+        partial_out_ptr,
+        partial_lse_ptr,
+    )
     gl.warp_specialize(
         [
             (
                 compute_partition,
                 (
-                    q_ptr,
-                    stride_q_tok,
-                    stride_q_head,
+                    (q_ptr, stride_q_tok, stride_q_head),
                     k2,
                     v2,
                     v16_s,
@@ -142,32 +155,12 @@ def gluon_decode_kernel(
                     empty,
                     vconv,
                     v16free,
-                    k_scale_ptr,
-                    stride_ks_page,
-                    stride_ks_slot,
-                    stride_ks_head,
-                    v_scale_ptr,
-                    stride_vs_page,
-                    stride_vs_slot,
-                    stride_vs_head,
-                    block_table_ptr,
-                    stride_bt,
-                    stride_bt_col,
-                    num_pages,
-                    capacity,
-                    window,
-                    seq_lens_ptr,
-                    work_indptr_ptr,
-                    works_ptr,
-                    planned_lens_ptr,
+                    (k_scale_ptr, stride_ks_page, stride_ks_slot, stride_ks_head),
+                    (v_scale_ptr, stride_vs_page, stride_vs_slot, stride_vs_head),
+                    table,
+                    work_list,
                     faults_ptr,
-                    out_ptr,
-                    stride_o_tok,
-                    stride_o_head,
-                    lse_ptr,
-                    stride_lse_tok,
-                    partial_out_ptr,
-                    partial_lse_ptr,
+                    outputs,
                     qk_scale,
                     trace_ptr,
                     GROUP,
@@ -196,17 +189,9 @@ def gluon_decode_kernel(
                     kready,
                     vready,
                     empty,
-                    block_table_ptr,
-                    stride_bt,
-                    stride_bt_col,
-                    num_pages,
-                    capacity,
+                    table,
                     tile_pages,
-                    window,
-                    seq_lens_ptr,
-                    work_indptr_ptr,
-                    works_ptr,
-                    planned_lens_ptr,
+                    work_list,
                     faults_ptr,
                     STAGES,
                     PAGE_SIZE,
@@ -225,13 +210,7 @@ def gluon_decode_kernel(
                     empty,
                     vconv,
                     v16free,
-                    seq_lens_ptr,
-                    work_indptr_ptr,
-                    works_ptr,
-                    planned_lens_ptr,
-                    num_pages,
-                    capacity,
-                    window,
+                    work_list,
                     STAGES,
                     QLEN,
                     HAS_WINDOW,

@@ -6,22 +6,21 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..records import FAULT_PAGE_ID, WORK_FIELDS, WORK_SEQ, WORK_TOKEN_END, WORK_TOKEN_START
-from .common import bad_page, wait_for_prior_grid, work_bounds
+from .common import bad_page, program_works, wait_for_prior_grid, work_bounds
 from .layouts import lanes_layout
 
 
 @gluon.jit
-def _first_page(
-    works_ptr, w, block_table_ptr, stride_bt, stride_bt_col, capacity, PAGE_SIZE: gl.constexpr
-):
+def _first_page(work_list, w, table, PAGE_SIZE: gl.constexpr):
     """The page id of work ``w``'s first token, from its record alone (0 for an empty range):
     the range a record holds lies within the block table's columns (the scheduler's), and is
     masked here to them anyway."""
-    rec = works_ptr + w * WORK_FIELDS
+    block_table_ptr, stride_bt, stride_bt_col = table
+    rec = work_list.works_ptr + w * WORK_FIELDS
     seq = gl.load(rec + WORK_SEQ)
     token_start = gl.load(rec + WORK_TOKEN_START)
     token_end = gl.load(rec + WORK_TOKEN_END)
-    used = (token_start < token_end) & (token_start < capacity) & (token_start >= 0)
+    used = (token_start < token_end) & (token_start < work_list.capacity) & (token_start >= 0)
     row = block_table_ptr + seq.to(gl.int64) * stride_bt
     return gl.load(row + (token_start // PAGE_SIZE) * stride_bt_col, mask=used, other=0)
 
@@ -35,17 +34,9 @@ def load_partition(
     kready,
     vready,
     empty,
-    block_table_ptr,
-    stride_bt,
-    stride_bt_col,
-    num_pages,
-    capacity,
+    table,
     tile_pages,
-    window,
-    seq_lens_ptr,
-    work_indptr_ptr,
-    works_ptr,
-    planned_lens_ptr,
+    work_list,
     faults_ptr,
     STAGES: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
@@ -67,31 +58,18 @@ def load_partition(
     SUB: gl.constexpr = (BLOCK + PAGE_SIZE - 1) // PAGE_SIZE  # copies a tile
     BOX_D: gl.constexpr = k_desc.block_type.shape[3]  # a copy's head_dim, in its elements
     ids_l: gl.constexpr = lanes_layout(1)  # a page id a lane
+    block_table_ptr, stride_bt, stride_bt_col = table
     wait_for_prior_grid()
-    pid = gl.program_id(0)
-    work_begin = gl.load(work_indptr_ptr + pid).to(gl.int64)
-    work_end = gl.load(work_indptr_ptr + pid + 1).to(gl.int64)
+    work_begin, work_end = program_works(work_list)
     it = 0
     # A work's first page id comes from its record alone, so it is loaded beside the length
     # checks rather than after them (one round trip less before the work's first copy).
     EARLY_PAGE: gl.constexpr = SUB == 1 and not HAS_WINDOW
     for w in range(work_begin, work_end):
         if EARLY_PAGE:
-            page = _first_page(
-                works_ptr, w, block_table_ptr, stride_bt, stride_bt_col, capacity, PAGE_SIZE
-            )
-        seq, kv_head, token_start, token_end, _, _, _, _, n_tiles = work_bounds(
-            works_ptr,
-            w,
-            seq_lens_ptr,
-            planned_lens_ptr,
-            num_pages,
-            capacity,
-            window,
-            BLOCK,
-            QLEN,
-            HAS_WINDOW,
-        )
+            page = _first_page(work_list, w, table, PAGE_SIZE)
+        bounds = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
+        seq, kv_head, token_start, token_end, _, _, _, _, n_tiles = bounds
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
         for i in range(n_tiles):
             g = it + i
@@ -144,6 +122,6 @@ def load_partition(
         for c in range(first_col, end_col, 32):
             cols = c + gl.arange(0, 32, layout=ids_l)
             ids = gl.load(bt_row + cols * stride_bt_col, mask=cols < end_col, other=0)
-            bad |= bad_page(ids, num_pages)
+            bad |= bad_page(ids, work_list.num_pages)
         if gl.max(bad.to(gl.int32), axis=0) != 0:
             gl.atomic_or(faults_ptr + seq, FAULT_PAGE_ID)
