@@ -20,8 +20,7 @@ from pagedattn._kernels import records
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.integrations import BatchDecodeWrapper, vllm_paged_decode
 from pagedattn.launch import ScheduleLaunchConfig
-from pagedattn.plan import invariant_chunks, schedule_invariant_numpy
-from pagedattn.reference import rel_error
+from pagedattn.reference import invariant_chunks, rel_error, schedule_invariant_numpy
 from pagedattn.testing import fault_codes, random_step, reference_decode
 
 BF16, FP16 = torch.bfloat16, torch.float16

@@ -14,7 +14,8 @@ from pagedattn.launch import (
     default_num_programs,
     default_partition,
 )
-from pagedattn.plan import auto_partition_size, plan_sizes, schedule_numpy, valid_lens
+from pagedattn.plan import plan_sizes
+from pagedattn.reference import auto_partition_size, schedule_numpy, valid_lens
 
 
 def plan_kwargs(

@@ -1,4 +1,5 @@
-"""The decode plan: the work list a persistent decode kernel walks, and its NumPy twin.
+"""The decode plan: :func:`plan_decode`, and the work list a persistent decode kernel walks
+(its NumPy twin is in ``reference.py``).
 
 A :class:`DecodePlan` holds device tensors only. All of its sizes follow from the batch size,
 the program count, the query length and the head counts, never from a value read back from
@@ -58,19 +59,11 @@ import dataclasses
 import functools
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from . import checks
 from ._kernels import records, schedule
-from ._kernels.schedule import (
-    AUTO_LARGE,
-    AUTO_SMALL,
-    AUTO_SMALL_MAX_LEN,
-    AUTO_WHOLE_MAX_LEN,
-    _schedule_invariant_kernel,
-    _schedule_kernel,
-)
+from ._kernels.schedule import AUTO_SMALL, _schedule_invariant_kernel, _schedule_kernel
 from .backend import (
     HOPPER_MIN_PARTITION,
     HOPPER_PROGRAMS_PER_SM,
@@ -190,7 +183,7 @@ class DecodePlan:
     kv_scale: str | None
     num_programs: int
     # Tokens per partition, or None: the scheduler picks 128, 256 or one partition a sequence
-    # on the GPU each step from the lengths (``auto_partition_size``);
+    # on the GPU each step from the lengths (``reference.auto_partition_size``);
     # ``step_partition_size()`` reads what it picked.
     partition_size: int | None
     metadata: torch.Tensor  # int32, all records below
@@ -463,194 +456,6 @@ def allocate_plan(
     )
 
 
-def valid_lens(seq_lens, query_len: int) -> np.ndarray:
-    """The lengths the scheduler builds the work list from: invalid ones (negative, between 0
-    and ``query_len``, above the plan's limit) count as 0 tokens (twin of the kernel's). A
-    ragged plan's scheduler takes ``query_len`` 0 here: its short lengths are checked against
-    each sequence's own query rows, and only by the decode kernel's reading of them."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    limit = records.max_seq_len_supported(len(lens))
-    return np.where((lens >= query_len) & (lens <= limit), lens, 0)
-
-
-def invariant_chunks(length: int, partition_size: int) -> tuple[int, int]:
-    """A batch-invariant plan's cut of a sequence of ``length`` valid tokens (0: a padding
-    slot or an invalid length): ``(chunk_tokens, chunks)``, chunks of ``partition_size``
-    times a power of two tokens, the fewest such that there are at most
-    ``INVARIANT_MAX_CHUNKS``; the last chunk may be shorter. Depends on the length only."""
-    parts = max(-(-length // partition_size), 1)
-    per_chunk = 1
-    while per_chunk * INVARIANT_MAX_CHUNKS < parts:
-        per_chunk *= 2
-    return per_chunk * partition_size, -(-parts // per_chunk)
-
-
-def schedule_invariant_numpy(
-    seq_lens,
-    *,
-    num_programs: int,
-    num_kv_heads: int,
-    group: int,
-    partition_size: int,
-    query_len: int = 1,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """NumPy twin of the batch-invariant scheduler (same outputs as :func:`schedule_numpy`).
-
-    Works are chunks (:func:`invariant_chunks`), ordered by (kv head, sequence, chunk); a
-    chunk belongs to the program whose range of partitions (laid end to end over the batch,
-    ranges differing by at most one, as in the regular plan) holds its first partition.
-    A sequence of several chunks writes one partial per chunk, in consecutive slots.
-    """
-    lens = valid_lens(seq_lens, query_len)
-    batch = len(lens)
-    per_head = num_programs // num_kv_heads
-    max_works, _, max_reduces = plan_sizes(batch, num_programs, num_kv_heads, True)
-    parts = _partitions(lens, partition_size)
-    cuts = [invariant_chunks(int(n), partition_size) for n in lens]
-    seq_first = np.concatenate([[0], np.cumsum(parts)])
-    base, rem = divmod(int(seq_first[-1]), per_head)
-    bounds = np.array([i * base + min(i, rem) for i in range(per_head + 1)])
-
-    head_works = []  # (local program, seq, chunk, token_start, token_end, slot or -1)
-    slot = 0
-    head_reduces = []  # (seq, first slot, chunks)
-    for b, (chunk_tokens, chunks) in enumerate(cuts):
-        if chunks > 1:
-            head_reduces.append((b, slot, chunks))
-        for j in range(chunks):
-            first_part = seq_first[b] + j * (chunk_tokens // partition_size)
-            program = int(np.searchsorted(bounds, first_part, side="right")) - 1
-            start = j * chunk_tokens
-            end = min((j + 1) * chunk_tokens, int(lens[b]))
-            head_works.append((program, b, start, end, slot if chunks > 1 else -1))
-            slot += int(chunks > 1)
-    total_slots = slot
-
-    work_indptr = np.zeros(num_programs + 1, dtype=np.int32)
-    works = np.zeros((max_works, WORK_FIELDS), dtype=np.int32)
-    reduces = np.full((max_reduces, REDUCE_FIELDS), -1, dtype=np.int32)
-    programs = np.array([w[0] for w in head_works])
-    for h in range(num_kv_heads):
-        for i in range(per_head):
-            work_indptr[h * per_head + i] = h * len(head_works) + int(np.sum(programs < i))
-        for w, (program, b, start, end, slot) in enumerate(head_works):
-            works[h * len(head_works) + w] = (
-                h * per_head + program,
-                b,
-                h,
-                h * group,
-                (h + 1) * group,
-                start,
-                end,
-                slot + h * total_slots if slot >= 0 else -1,
-            )
-        for r, (b, first, chunks) in enumerate(head_reduces):
-            reduces[h * len(head_reduces) + r] = (b, h, first + h * total_slots, chunks)
-    work_indptr[num_programs] = num_kv_heads * len(head_works)
-    return work_indptr, works, reduces
-
-
-def _partitions(lens: np.ndarray, partition_size: int) -> np.ndarray:
-    # At least one per sequence: a padding slot's or an invalid sequence's is empty.
-    return np.maximum(-(-lens // partition_size), 1)
-
-
-def auto_partition_size(seq_lens, programs_per_head: int, query_len: int = 1) -> int:
-    """The partition size the scheduler picks when the plan leaves it open: 128 when
-    256-token partitions would leave at least half the programs of a kv head idle and no
-    sequence exceeds 32 x 128 tokens; else one partition a sequence (the next power of two of
-    the longest valid length, at least 256) where the longest is at most 65536 tokens and the
-    busiest program holds no more tokens that way (``cdiv(batch, programs_per_head)`` x the
-    longest) than with 256-token partitions (``cdiv(partitions, programs_per_head)`` x 256);
-    else 256."""
-    lens = valid_lens(seq_lens, query_len)
-    total_large = int(_partitions(lens, AUTO_LARGE.value).sum())
-    longest = int(lens.max(initial=0))
-    if 2 * total_large <= programs_per_head and longest <= AUTO_SMALL_MAX_LEN.value:
-        return int(AUTO_SMALL.value)
-    busiest_large = -(-total_large // programs_per_head) * AUTO_LARGE.value
-    busiest_whole = -(-len(lens) // programs_per_head) * longest
-    if busiest_whole <= busiest_large and longest <= AUTO_WHOLE_MAX_LEN.value:
-        return 1 << max(longest - 1, AUTO_LARGE.value - 1).bit_length()
-    return int(AUTO_LARGE.value)
-
-
-def schedule_numpy(
-    seq_lens,
-    *,
-    num_programs: int,
-    num_kv_heads: int,
-    group: int,
-    partition_size: int | None,
-    query_len: int = 1,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """NumPy twin of the GPU scheduler, written as a plain walk over programs.
-
-    Returns ``(work_indptr, works, reduces)`` with exactly the shapes and contents the GPU
-    kernel writes (``reduces`` padded with -1 rows); unused ``works`` rows are zero here and
-    undefined on the GPU, so compare only the first ``work_indptr[-1]`` rows.
-    """
-    lens = valid_lens(seq_lens, query_len)
-    batch = len(lens)
-    per_head = num_programs // num_kv_heads
-    if partition_size is None:
-        partition_size = auto_partition_size(lens, per_head)
-    max_works, _, max_reduces = plan_sizes(batch, num_programs, num_kv_heads)
-    parts = _partitions(lens, partition_size)
-    seq_first = np.concatenate([[0], np.cumsum(parts)])  # first partition of each sequence
-    total = int(seq_first[-1])
-    base, rem = divmod(total, per_head)
-    bounds = [i * base + min(i, rem) for i in range(per_head + 1)]
-
-    # One head's works in order: walk each program's range across sequences.
-    head_works = []  # (local program, seq, first partition, end partition)
-    for i in range(per_head):
-        lo, hi = bounds[i], bounds[i + 1]
-        b = int(np.searchsorted(seq_first, lo, side="right")) - 1
-        while lo < hi:
-            while seq_first[b + 1] <= lo:  # skip sequences with no partitions
-                b += 1
-            end = min(hi, int(seq_first[b + 1]))
-            head_works.append((i, b, lo, end))
-            lo = end
-    pieces = np.zeros(batch, dtype=np.int64)
-    for _, b, _, _ in head_works:
-        pieces[b] += 1
-
-    work_indptr = np.zeros(num_programs + 1, dtype=np.int32)
-    works = np.zeros((max_works, WORK_FIELDS), dtype=np.int32)
-    reduces = np.full((max_reduces, REDUCE_FIELDS), -1, dtype=np.int32)
-    w = 0
-    slot = 0
-    r = 0
-    for h in range(num_kv_heads):
-        for i in range(per_head):
-            work_indptr[h * per_head + i] = w
-            for prog, b, lo, hi in head_works:
-                if prog != i:
-                    continue
-                cut = pieces[b] > 1
-                if cut and lo == seq_first[b]:
-                    reduces[r] = (b, h, slot, pieces[b])
-                    r += 1
-                token_start = (lo - seq_first[b]) * partition_size
-                token_end = min((hi - seq_first[b]) * partition_size, lens[b])
-                works[w] = (
-                    h * per_head + i,
-                    b,
-                    h,
-                    h * group,
-                    (h + 1) * group,
-                    token_start,
-                    token_end,
-                    slot if cut else -1,
-                )
-                slot += int(cut)
-                w += 1
-    work_indptr[num_programs] = w
-    return work_indptr, works, reduces
-
-
 def plan_decode(
     seq_lens: torch.Tensor,
     *,
@@ -701,7 +506,7 @@ def plan_decode(
         64..512 that gives about one partition per program
         (:func:`pagedattn.launch.default_partition`); else the scheduler picks 128, 256 or
         one partition a sequence on the GPU each step from the lengths (the plan's
-        ``partition_size`` is then None; :func:`pagedattn.plan.auto_partition_size` states
+        ``partition_size`` is then None; :func:`pagedattn.reference.auto_partition_size` states
         the rule).
     reuse : DecodePlan, optional
         A plan made earlier for the same sizes whose buffers are refilled instead of allocating

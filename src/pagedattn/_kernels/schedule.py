@@ -711,7 +711,7 @@ def _schedule_invariant_kernel(
 ):
     """The batch-invariant plan's work list. Every sequence is cut into chunks of a power of
     two times the partition size, the fewest that leave at most ``INVARIANT_MAX_CHUNKS``
-    (``plan.invariant_chunks``): a function of its length alone, so its works, their token
+    (``reference.invariant_chunks``): a function of its length alone, so its works, their token
     ranges and whether it goes through the reducer never depend on the other sequences, the
     batch size or the grid. Works are ordered by (kv head, sequence, chunk); a chunk belongs
     to the program whose range of partitions (as in ``_schedule_kernel``: the batch's laid
