@@ -7,6 +7,8 @@
     python benchmarks/micro.py gluon [--shapes 128x8192x1,...] [--configs 264:2:128,...]
     python benchmarks/micro.py features [--shapes 64x8192,...] [--query-lens 1,4]
     python benchmarks/micro.py parts [--shapes 1x1024x1,...] [--scales per_tensor,...]
+    python benchmarks/micro.py append [--tokens 64,256,4096] [--caches fp8_per_token,bf16]
+        [--smoke]
 
 Shapes are ``batch x context x query_len`` of the seed workload (16/1 heads, head_dim 128, FP8
 per-tensor, page 1024, bf16 query; ``pagedattn.bench.cases.Case``). GPU times are medians of
@@ -21,16 +23,23 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import math
+import os
+import sys
 import unittest.mock
+
+if "--smoke" in sys.argv[1:]:
+    # A smoke run is on the CPU even beside a GPU: Triton picks its interpreter at import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
 import pagedattn
 from pagedattn._cli_args import int_list
 from pagedattn.bench.cases import KV_DTYPES, Case, kv_bytes
-from pagedattn.bench.ceiling import measure_read_gbps
+from pagedattn.bench.ceiling import measure_copy_gbps, measure_read_gbps
 from pagedattn.bench.run import ERROR_BOUNDS, fixed_plan_call, make_cache, make_query
-from pagedattn.bench.timing import host_time_us, time_graph
+from pagedattn.bench.timing import host_time_us, rotation_copies, time_graph
 from pagedattn.families.reduce import ReduceStep
 from pagedattn.launch import (
     DecodeLaunchConfig,
@@ -38,7 +47,7 @@ from pagedattn.launch import (
     ScheduleLaunchConfig,
     decode_launch_config,
 )
-from pagedattn.reference import paged_decode_torch, rel_error
+from pagedattn.reference import append_kv_torch, paged_decode_torch, rel_error
 
 GRAPH_CALLS = 8  # calls per captured graph (reducer and decode)
 SCHEDULE_CALLS, SCHEDULE_REPLAYS = 20, 30  # plan_decode calls per graph, timed replays
@@ -457,6 +466,128 @@ def features(args: argparse.Namespace) -> None:
         print(f"| {shape} | {query_len} | {name} | {us:.1f} | {pct:.1f} | {err:.2e} | {ratio} |")
 
 
+# Cache kinds of the append sweep: name -> (cache dtype, kv_scale).
+APPEND_CACHES = {
+    "fp8_per_token": (torch.float8_e4m3fn, "per_token"),
+    "fp8_per_tensor": (torch.float8_e4m3fn, "per_tensor"),
+    "bf16": (torch.bfloat16, None),
+}
+SLOT_DTYPES = {"int64": torch.int64, "int32": torch.int32}
+
+
+def append_bytes(
+    tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    cache_dtype: torch.dtype,
+    kv_scale: str | None,
+    input_dtype: torch.dtype = torch.bfloat16,
+    slot_dtype: torch.dtype = torch.int64,
+) -> tuple[int, int]:
+    """``(read, written)``: the fewest bytes ``append_kv`` moves for ``tokens`` new tokens, each
+    input read once and each output written once. Read: ``k`` and ``v`` and ``slot_mapping``
+    (and the two float32 scales with per-tensor FP8); written: K and V cache rows in the
+    cache's dtype (and, per token, a float32 scale per head for K and for V with per-token
+    FP8)."""
+    values = tokens * num_kv_heads * head_dim
+    read = 2 * values * input_dtype.itemsize + tokens * slot_dtype.itemsize
+    written = 2 * values * cache_dtype.itemsize
+    if kv_scale == "per_tensor":
+        read += 2 * 4
+    elif kv_scale == "per_token":
+        written += 2 * tokens * num_kv_heads * 4
+    return read, written
+
+
+def append(args: argparse.Namespace) -> None:
+    """``append_kv`` alone, in GB/s against the device copy ceiling (``copy_``, bytes read +
+    written) measured in the same run. Per size and cache kind: ``k``/``v`` of ``tokens`` x
+    ``--kv-heads`` x ``--head-dim`` (bf16, random), written at random distinct slots of an NHD
+    cache of pages of ``--page-size``; first checked byte for byte (scales too) against
+    ``pagedattn.reference.append_kv_torch``, then timed as CUDA-graph replays of one call per
+    input copy (copies of ``k``, ``v`` and the slots, disjoint slots of one cache, enough
+    copies to move 256 MB a replay), per call. Bytes: :func:`append_bytes`. ``--smoke``: tiny
+    sizes on the CPU through Triton's interpreter, the check alone meaningful (the time is one
+    host-timed call, no ceiling)."""
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        copy_gbps = None
+        print("smoke run: CPU through Triton's interpreter; times are meaningless")
+    else:
+        copy_gbps = measure_copy_gbps(device=device)
+        torch.cuda.empty_cache()
+        print(f"copy ceiling {copy_gbps:.0f} GB/s (copy_, bytes read + written)")
+    gen = torch.Generator(device=device).manual_seed(0)
+    slot_dtype = SLOT_DTYPES[args.slot_dtype]
+    heads, head_dim, page = args.kv_heads, args.head_dim, args.page_size
+    rows = []
+    for tokens, name in itertools.product(args.tokens, args.caches):
+        cache_dtype, kv_scale = APPEND_CACHES[name]
+        read, written = append_bytes(
+            tokens, heads, head_dim, cache_dtype=cache_dtype, kv_scale=kv_scale,
+            slot_dtype=slot_dtype,
+        )  # fmt: skip
+        copies = 1 if args.smoke else rotation_copies(read + written)
+        num_pages = math.ceil(tokens * copies / page)
+        shape = (num_pages, page, heads, head_dim)
+        k_cache = torch.randn(shape, generator=gen, device=device).to(cache_dtype)
+        v_cache = torch.randn(shape, generator=gen, device=device).to(cache_dtype)
+        scales = {}
+        if kv_scale == "per_token":
+            scales = {
+                "k_scale": torch.rand(shape[:3], generator=gen, device=device),
+                "v_scale": torch.rand(shape[:3], generator=gen, device=device),
+            }
+        elif kv_scale == "per_tensor":
+            # Random bf16 rows reach about 5: a scale of 1/64 keeps them under e4m3's 448.
+            scales = {"k_scale": torch.full((1,), 1 / 64, device=device)}
+            scales["v_scale"] = scales["k_scale"].clone()
+        slots = torch.randperm(num_pages * page, generator=gen, device=device)[: tokens * copies]
+        steps, inputs = [], []
+        for i in range(copies):
+            k = torch.randn(tokens, heads, head_dim, generator=gen, device=device)
+            v = torch.randn(tokens, heads, head_dim, generator=gen, device=device)
+            a = (k.bfloat16(), v.bfloat16(), k_cache, v_cache)
+            a += (slots[i * tokens : (i + 1) * tokens].to(slot_dtype).contiguous(),)
+            inputs.append(a)
+            steps.append(functools.partial(pagedattn.append_kv, *a, kv_scale=kv_scale, **scales))
+        # The check: copy 0 written by the reference into copies of the cache, then by ours.
+        expected = [t.clone() for t in (k_cache, v_cache, *scales.values())]
+        ref_scales = dict(zip(scales, expected[2:]))
+        append_kv_torch(*inputs[0][:2], *expected[:2], inputs[0][4], kv_scale=kv_scale,
+                        **ref_scales)  # fmt: skip
+        steps[0]()
+        got = [k_cache, v_cache, *scales.values()]
+        same = all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, expected)
+        )
+        del expected, ref_scales
+        check = "ok" if same else "WRONG"
+        if args.smoke:
+            us = host_time_us(steps[0], samples=1)
+        else:
+            us = time_graph(steps, replays=args.replays).us_p50
+        gbps = (read + written) / us / 1e3  # bytes per µs -> GB/s
+        pct = f"{100 * gbps / copy_gbps:.1f}" if copy_gbps else "-"
+        label = f"{tokens} x {heads} x {head_dim}"
+        rows.append((label, name, read, written, copies, us, gbps, pct, check))
+        print(f"{label} {name}: {us:.2f} us, {gbps:.1f} GB/s, {pct}% copy, {check}", flush=True)
+        del k_cache, v_cache, scales, steps, inputs, slots
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(
+        "| tokens x kv heads x head_dim | cache | bytes read | bytes written | copies | µs "
+        "| GB/s | % copy ceiling | check |"
+    )
+    print("|---" * 9 + "|")
+    for label, name, read, written, copies, us, gbps, pct, check in rows:
+        print(
+            f"| {label} | {name} | {read} | {written} | {copies} | {us:.2f} | {gbps:.1f} | {pct} "
+            f"| {check} |"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="benchmarks/micro.py", description=__doc__.splitlines()[0]
@@ -585,11 +716,40 @@ def build_parser() -> argparse.ArgumentParser:
                    text.split(",")], default="64x8192,128x8192,16x32768",
                    help="batch x context")  # fmt: skip
     p.add_argument("--query-lens", type=int_list, default="1,4")
+
+    p = command(append, "append_kv alone against the copy ceiling")
+    p.add_argument("--tokens", type=int_list, default=None, help="new tokens (default 64,256,4096)")
+    p.add_argument(
+        "--caches",
+        type=lambda text: text.split(","),
+        default="fp8_per_token,bf16",
+        help=f"cache kinds, comma-separated: {', '.join(APPEND_CACHES)}",
+    )
+    p.add_argument("--kv-heads", type=int, default=None, help="default 8")
+    p.add_argument("--head-dim", type=int, default=None, help="default 128")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--slot-dtype", choices=tuple(SLOT_DTYPES), default="int64")
+    p.add_argument("--replays", type=int, default=30, help="timed CUDA-graph replays")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes (default 3,5 tokens x 2 kv heads x head_dim 64) on the CPU through "
+        "Triton's interpreter: checks the writes, times nothing that means anything",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.run is append:
+        # Sizes left out: the GPU sweep's, or tiny ones for a smoke run.
+        tokens, kv_heads, head_dim = ([3, 5], 2, 64) if args.smoke else ([64, 256, 4096], 8, 128)
+        args.tokens = args.tokens or tokens
+        args.kv_heads = args.kv_heads or kv_heads
+        args.head_dim = args.head_dim or head_dim
+        unknown = [c for c in args.caches if c not in APPEND_CACHES]
+        if unknown:
+            build_parser().error(f"--caches: unknown {unknown}; known: {list(APPEND_CACHES)}")
     args.run(args)
 
 

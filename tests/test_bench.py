@@ -520,10 +520,15 @@ def test_pagedattn_bench_help_from_the_command_line():
     assert "usage: pagedattn bench" in result.stdout
 
 
-def test_micro_sweeps_command_line():
+def _micro():
     spec = importlib.util.spec_from_file_location("micro", ROOT / "benchmarks" / "micro.py")
     micro = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(micro)
+    return micro
+
+
+def test_micro_sweeps_command_line():
+    micro = _micro()
     parser = micro.build_parser()
     args = parser.parse_args(["schedule"])
     assert (args.run, args.batches, args.multipliers) == (
@@ -549,8 +554,58 @@ def test_micro_sweeps_command_line():
         ["per_token"],
         1024,
     )
+    args = parser.parse_args(["append"])
+    assert (args.run, args.caches, args.page_size, args.slot_dtype) == (
+        micro.append,
+        ["fp8_per_token", "bf16"],
+        16,
+        "int64",
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["tune"])
+
+
+def test_append_bytes_counts_each_input_read_and_each_output_written_once():
+    micro = _micro()
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    # 64 tokens x 8 kv heads x 128: k and v in bf16 (2 x 131072 bytes), int64 slots (512).
+    values = 64 * 8 * 128
+    read, written = micro.append_bytes(64, 8, 128, cache_dtype=bf16, kv_scale=None)
+    assert (read, written) == (2 * values * 2 + 64 * 8, 2 * values * 2)
+    # FP8 per token: one byte a value, plus a float32 scale per (token, head) for K and V.
+    read, written = micro.append_bytes(64, 8, 128, cache_dtype=fp8, kv_scale="per_token")
+    assert (read, written) == (2 * values * 2 + 64 * 8, 2 * values + 2 * 64 * 8 * 4)
+    # FP8 per tensor: the two scales are read; int32 slots and fp16 inputs change the reads.
+    read, written = micro.append_bytes(
+        3, 2, 64, cache_dtype=fp8, kv_scale="per_tensor", input_dtype=torch.float16,
+        slot_dtype=torch.int32,
+    )  # fmt: skip
+    assert (read, written) == (2 * 3 * 2 * 64 * 2 + 3 * 4 + 8, 2 * 3 * 2 * 64)
+
+
+def test_append_smoke_run_checks_the_writes(capsys, monkeypatch):
+    """``micro.py append --smoke``: every cache kind written and checked byte for byte against
+    the reference, one table row each; a call that writes nothing is reported WRONG."""
+    micro = _micro()
+    micro.main(["append", "--smoke", "--caches", "fp8_per_token,bf16,fp8_per_tensor"])
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 2 * 3, out  # header, then tokens 3 and 5 x three caches
+    body = [line.split(" | ") for line in table[1:]]
+    assert [(r[0], r[1]) for r in body] == [
+        (f"| {n} x 2 x 64", c) for n in (3, 5) for c in ("fp8_per_token", "bf16", "fp8_per_tensor")
+    ]
+    assert all(r[-1] == "ok |" for r in body), out
+    # Bytes read and written as append_bytes counts them: 5 tokens, bf16 cache.
+    expected = micro.append_bytes(5, 2, 64, cache_dtype=torch.bfloat16, kv_scale=None)
+    assert body[4][2:4] == [str(b) for b in expected]
+    monkeypatch.setattr(micro.pagedattn, "append_kv", lambda *a, **k: None)
+    micro.main(["append", "--smoke", "--tokens", "4", "--caches", "bf16"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 x")]
+    assert len(rows) == 1 and rows[0].startswith("| 4 x 2 x 64 | bf16 |")
+    assert rows[0].endswith("| WRONG |"), rows
+    with pytest.raises(SystemExit):
+        micro.main(["append", "--smoke", "--caches", "int4"])
 
 
 def test_stall_sites_reads_the_source_page(tmp_path, capsys):
