@@ -66,6 +66,12 @@ def tensor_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE: tl.constexpr):
 
 
 @triton.jit
+def bad_page(page, num_pages):
+    """Whether a page id lies outside [0, num_pages)."""
+    return (page < 0) | (page >= num_pages)
+
+
+@triton.jit
 def work_record(works_ptr, w, seq_lens_ptr, planned_lens_ptr, num_pages, capacity):
     """Work ``w``'s record and its sequence's length, which are not trusted: (seq, kv_head,
     token_start, token_end, partial slot, seq_len, fault), ``fault`` the codes of a length

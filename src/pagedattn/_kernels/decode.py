@@ -32,6 +32,7 @@ import triton.language as tl
 from .common import (
     LN2,
     LOG2E,
+    bad_page,
     dot_any,
     globaltimer,
     grid_dependency,
@@ -363,9 +364,9 @@ def _attend_tile(
     else:
         page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_bt_col)
     slot_in_page = tok % PAGE_SIZE
-    bad_page = (page < 0) | (page >= num_pages)
-    page = tl.where(bad_page, 0, page)
-    page_fault = page_fault | bad_page
+    bad = bad_page(page, num_pages)
+    page = tl.where(bad, 0, page)
+    page_fault = page_fault | bad
     page64 = page.to(tl.int64)  # caches pass 2^31 bytes
     at = _TileAt(page, start, kv_head, tok_ok)
     k_src = _TileSource(

@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common import work_record
+from ..common import bad_page, work_record
 
 NUM_WARPS = 4  # the compute warpgroup (the launch's num_warps), which its layouts are made for
 COMPUTE_WARPS = gl.constexpr(NUM_WARPS)  # the same, for the kernel's code
@@ -57,11 +57,26 @@ def program_works(work_list):
     return work_begin, work_end
 
 
+class Work(NamedTuple):
+    """A work as every role walks it (:func:`work_bounds`): its record (sequence, kv head,
+    token range, partial slot: negative for a work that writes ``out``), its sequence's
+    length, the fault codes of its lengths and whether the work is faulty, and its tiles."""
+
+    seq: gl.tensor
+    kv_head: gl.tensor
+    token_start: gl.tensor
+    token_end: gl.tensor
+    slot: gl.tensor
+    seq_len: gl.tensor
+    fault: gl.tensor
+    invalid: gl.tensor
+    n_tiles: gl.tensor
+
+
 @gluon.jit
 def work_bounds(work_list, w, BLOCK: gl.constexpr, QLEN: gl.constexpr, HAS_WINDOW: gl.constexpr):
-    """Work ``w``'s record and the checks of its lengths (not trusted, see ``work_record``):
-    (seq, kv_head, token_start, token_end, partial slot, seq_len, fault, invalid, tiles). A
-    faulty work reads no KV: its range is made empty. With a sliding window the range starts
+    """Work ``w`` (a :class:`Work`): its record and the checks of its lengths (not trusted,
+    see ``work_record``). A faulty work reads no KV: its range is made empty. With a sliding window the range starts
     at the tile of the first key any row attends. Every role of a program calls this, so all
     agree on the tiles of each work."""
     record = work_record(
@@ -79,13 +94,7 @@ def work_bounds(work_list, w, BLOCK: gl.constexpr, QLEN: gl.constexpr, HAS_WINDO
         first_key = gl.maximum(seq_len - QLEN - work_list.window + 1, 0)
         token_start = gl.maximum(token_start, first_key // BLOCK * BLOCK)
     n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
-    return seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles
-
-
-@gluon.jit
-def bad_page(page, num_pages):
-    """Whether a page id lies outside [0, num_pages)."""
-    return (page < 0) | (page >= num_pages)
+    return Work(seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles)
 
 
 @gluon.jit

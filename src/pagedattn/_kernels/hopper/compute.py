@@ -378,8 +378,8 @@ def compute_partition(
     for w in range(work_begin, work_end):
         if TRACE:
             trace_work, trace_on = trace_work_start(trace_row, w, work_begin)
-        bounds = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
-        seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles = bounds
+        work = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
+        seq, kv_head, token_start, token_end, _, seq_len, _, _, n_tiles = work
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
         q_scale = _load_query(query, seq, kv_head, qhi_s, qlo_s, GROUP, QLEN, R, D, KV16, blk)
         row_scale = gl.convert_layout(q_scale * (qk_scale * k_scale), row_l)
@@ -516,11 +516,7 @@ def compute_partition(
             m_i,
             l_i,
             v_unit,
-            fault,
-            invalid,
-            seq,
-            kv_head,
-            slot,
+            work,
             faults_ptr,
             outputs,
             GROUP,

@@ -28,11 +28,7 @@ def epilogue(
     m_i,
     l_i,
     v_unit,
-    fault,
-    invalid,
-    seq,
-    kv_head,
-    slot,
+    work,
     faults_ptr,
     outputs,
     GROUP: gl.constexpr,
@@ -44,8 +40,9 @@ def epilogue(
     row_l: gl.constexpr,
     o_l: gl.constexpr,
 ):
-    """Epilogue role: length faults, then the rows to ``out`` or to the work's partial slot
-    (``o``: rows along ``1 - TOK_AXIS``; ``m_i``, ``l_i``: per row in ``row_l``). A row that
+    """Epilogue role: ``work``'s length faults (a :class:`.common.Work`), then its rows to
+    ``out`` or to its partial slot (``o``: rows along ``1 - TOK_AXIS``; ``m_i``, ``l_i``: per
+    row in ``row_l``). A row that
     saw no key (a padding slot, or the causal zone in a partial) gets zeros and LSE -inf, a
     faulty work NaN: one whose lengths are (``invalid``), or one that read a page outside
     the cache. Such a page comes in as NaN (the load warp records its fault), and the P V
@@ -53,6 +50,7 @@ def epilogue(
     NaN is NaN), so each row's LSE is made NaN where its row of ``o`` is."""
     ROW_AXIS: gl.constexpr = 1 - TOK_AXIS
     ROWS: gl.constexpr = QLEN * GROUP
+    seq, kv_head, slot, fault, invalid = work.seq, work.kv_head, work.slot, work.fault, work.invalid
     if fault != 0:
         gl.atomic_or(faults_ptr + seq, fault)
     o_sum = gl.sum(o, axis=TOK_AXIS)

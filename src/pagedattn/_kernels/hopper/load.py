@@ -5,8 +5,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from ..common import bad_page
 from ..records import FAULT_PAGE_ID, WORK_FIELDS, WORK_SEQ, WORK_TOKEN_END, WORK_TOKEN_START
-from .common import bad_page, program_works, wait_for_prior_grid, work_bounds
+from .common import program_works, wait_for_prior_grid, work_bounds
 from .layouts import lanes_layout
 
 
