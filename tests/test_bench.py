@@ -13,15 +13,19 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 from conftest import DEVICE
 
+import pagedattn
 from pagedattn.bench import cases, ceiling, providers, report, run, timing
 from pagedattn.bench import cli as bench
+from pagedattn.reference import paged_decode_torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -195,7 +199,7 @@ def test_summarize_gives_median_and_quantiles():
 # -- providers --
 
 OURS = ["pagedattn", "pagedattn-decode", "pagedattn-tuned", "pagedattn-triton", "pagedattn-gluon"]
-PEERS = ["flashinfer", "xqa"]
+PEERS = ["flashinfer", "xqa", "flashinfer-fa3", "flashinfer-fa3-fp8"]
 
 
 def test_registry_names_and_roles():
@@ -245,6 +249,152 @@ def test_flashinfer_skips_per_token_scales():
     ok, why = fi.supports(cases.Case(batch=1, context=64, kv_scale="per_token"))
     assert not ok and why.startswith("unsupported")
     assert fi.supports(cases.Case(batch=1, context=64))[0]
+
+
+def test_fa3_providers_say_why_they_cannot_run(monkeypatch):
+    fa3 = [providers.PROVIDERS[n] for n in ("flashinfer-fa3", "flashinfer-fa3-fp8")]
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    for provider in fa3:
+        ok, why = provider.available()
+        assert not ok and why.startswith("flashinfer not installed"), why
+    # With FlashInfer importable: a CUDA GPU of compute capability 9.0, nothing else.
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(__version__="0.6.6"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    no_gpu = (False, "FlashInfer's FA3 backend needs a CUDA GPU")
+    assert [p.available() for p in fa3] == [no_gpu, no_gpu]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    ok, why = fa3[0].available()
+    assert not ok and why == "FlashInfer's FA3 backend runs on sm_90 only, not sm_80"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert [p.available() for p in fa3] == [(True, "")] * 2
+
+
+def test_fa3_providers_take_what_fa3_takes():
+    """FA3 reads an FP8 cache only with an FP8 query: flashinfer-fa3 takes the 16-bit caches
+    and skips the FP8 ones (the seed preset's), flashinfer-fa3-fp8 takes FP8 with per-tensor
+    scales; every refusal says why."""
+    fa3, fa3_fp8 = (providers.PROVIDERS[n] for n in ("flashinfer-fa3", "flashinfer-fa3-fp8"))
+    per_tensor = cases.Case(batch=2, context=1024)
+    per_token = cases.Case(batch=2, context=1024, kv_scale="per_token")
+    bf16 = cases.Case(batch=2, context=1024, kv_dtype="bf16", kv_scale=None)
+    fp16 = cases.Case(batch=2, context=1024, kv_dtype="fp16", kv_scale=None, page_size=16)
+    expected = {
+        (fa3, per_tensor): "unsupported: FA3 reads an FP8 cache only with an FP8 query",
+        (fa3, per_token): "unsupported: FA3 reads an FP8 cache only with an FP8 query",
+        (fa3, bf16): "",
+        (fa3, fp16): "",
+        (fa3_fp8, per_tensor): "",
+        (fa3_fp8, per_token): "unsupported: FA3 takes a scale per head, not per token",
+        (fa3_fp8, bf16): "unsupported: FP8 KV only",
+        (fa3_fp8, fp16): "unsupported: FP8 KV only",
+    }
+    for (provider, case), reason in expected.items():
+        ok, why = provider.supports(case)
+        assert ok == (reason == "") and why.startswith(reason), (provider.name, case, why)
+    assert all(p.supports(c)[0] is False for p in (fa3,) for c in cases.seed_cases())
+    # Its FP8 query and probabilities: XQA's bound for FP8; the 16-bit one keeps the run's.
+    assert fa3_fp8.error_bounds == providers.PROVIDERS["xqa"].error_bounds
+    assert fa3.error_bounds is None
+
+
+def test_quantize_query_scales_to_the_e4m3_range():
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(5, 3, 64, generator=gen, device=DEVICE).bfloat16() * 7
+    q8, scale = providers.quantize_query(q)
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == q.shape and scale.shape == (1,)
+    assert scale.dtype == torch.float32
+    torch.testing.assert_close(scale, q.abs().amax().float().reshape(1) / 448)
+    assert float(q8.float().abs().max()) == 448.0  # the largest magnitude maps to e4m3's max
+    back = q8.float() * scale
+    assert run.rel_error(back, q.float()) < 0.05  # 3 mantissa bits: about 2.4% rms
+    q8, scale = providers.quantize_query(torch.zeros(2, 2, 64, dtype=torch.bfloat16))
+    assert bool(torch.isfinite(scale).all()) and float(q8.float().abs().max()) == 0.0
+
+
+class _FakeWrapper:
+    """FlashInfer 0.6.6's paged wrappers as their source reads, computing with the float64
+    reference: ``plan(([qo_indptr,] kv_indptr, kv_indices, last_page_len, num_qo_heads,
+    num_kv_heads, head_dim, page_size, *, q_data_type, kv_data_type, o_data_type, ...)`` and
+    ``run(q, (k_cache, v_cache), *fa3_fp8_scales, out=, k_scale=, v_scale=)``, where an FP8
+    query comes with three float32 tensors of one scale per head (query heads, KV heads, KV
+    heads) and ``k_scale``/``v_scale`` floats scale the keys and the output. Every wrapper
+    made is kept in ``made``."""
+
+    made: ClassVar[list[_FakeWrapper]] = []
+
+    def __init__(self, workspace, kv_layout, **kwargs):
+        self.kv_layout, self.kwargs = kv_layout, kwargs
+        _FakeWrapper.made.append(self)
+
+    def plan(self, *args, **kwargs):
+        *_, self.indptr, self.indices, self.last, self.hq, self.hkv, _, self.page = args
+        self.plan_kwargs = kwargs
+
+    def run(self, q, kv, *fp8_scales, out, k_scale=None, v_scale=None):
+        types = self.plan_kwargs
+        assert (q.dtype, out.dtype) == (types["q_data_type"], types["o_data_type"])
+        assert kv[0].dtype == kv[1].dtype == types["kv_data_type"]
+        counts = self.indptr[1:] - self.indptr[:-1]
+        seq_lens = ((counts - 1) * self.page + self.last).to(torch.int32)
+        table = pagedattn.indptr_to_block_table(self.indptr, self.indices)
+        if q.element_size() == 1 or fp8_scales:
+            q_scale, k_scales, v_scales = fp8_scales
+            assert [(t.dtype, t.shape) for t in fp8_scales] == [
+                (torch.float32, (self.hq,)),
+                (torch.float32, (self.hkv,)),
+                (torch.float32, (self.hkv,)),
+            ]
+            q = q.float() * q_scale[None, :, None]
+            k_scale, v_scale = k_scales[:1], v_scales[:1]  # per tensor: every head the same
+        elif k_scale is not None:
+            k_scale, v_scale = torch.tensor([k_scale]), torch.tensor([v_scale])
+        ref = paged_decode_torch(q, *kv, table, seq_lens, k_scale=k_scale, v_scale=v_scale)
+        return out.copy_(ref)
+
+
+@pytest.mark.parametrize(
+    "name, fields",
+    [
+        ("flashinfer-fa3-fp8", dict(kv_scale="per_tensor", query_len=1)),
+        ("flashinfer-fa3-fp8", dict(kv_scale="per_tensor", query_len=2)),
+        ("flashinfer-fa3", dict(kv_dtype="bf16", kv_scale=None, query_len=1)),
+        ("flashinfer-fa3", dict(kv_dtype="bf16", kv_scale=None, query_len=3)),
+        ("flashinfer", dict(kv_scale="per_tensor", query_len=1)),
+    ],
+)
+def test_flashinfer_providers_call_the_wrappers_as_flashinfer_takes_them(name, fields, monkeypatch):
+    """The FlashInfer providers' ``prepare`` against a stand-in for FlashInfer's wrappers
+    (their 0.6.6 calls, computed by the float64 reference): the backend each asks for, the
+    dtypes it plans with, and the scales it runs with give the reference's result (FA3 FP8:
+    within its bound, the query rounded to e4m3)."""
+    monkeypatch.setattr(providers, "PLAN_SAMPLES", 1)
+    monkeypatch.setattr(providers, "FLASHINFER_WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(providers.FlashInferProvider, "_workspaces", {})
+    monkeypatch.setattr(_FakeWrapper, "made", [])
+    fake = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper,
+        __version__="0.6.6",
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    provider = providers.PROVIDERS[name]
+    inputs = _inputs(_tiny(**fields))
+    ref = run.reference_output(inputs)
+    fields = run.check_and_time(provider, inputs, ref, time_it=False)
+    assert fields["method"] == "checked, not timed", fields
+    (wrapper,) = _FakeWrapper.made
+    assert wrapper.kwargs["backend"] == ("auto" if name == "flashinfer" else "fa3")
+    assert wrapper.kwargs["use_cuda_graph"] is True
+    fp8_query = name == "flashinfer-fa3-fp8"
+    q_type = torch.float8_e4m3fn if fp8_query else inputs.q.dtype
+    assert wrapper.plan_kwargs["q_data_type"] == q_type
+    assert wrapper.plan_kwargs["o_data_type"] == inputs.q.dtype
+    # A bf16 output's rounding, and for the FP8 query more: the query rounded to e4m3.
+    if fp8_query:
+        assert 4e-3 < fields["rel_err"] < provider.error_bounds["fp8"], fields
+    else:
+        assert fields["rel_err"] < 4e-3, fields
 
 
 def test_unknown_provider_is_a_usage_error():

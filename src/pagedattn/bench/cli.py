@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--providers",
         help="comma-separated, default all: pagedattn,pagedattn-decode,pagedattn-tuned,"
-        "pagedattn-triton,pagedattn-gluon,flashinfer,xqa",
+        "pagedattn-triton,pagedattn-gluon,flashinfer,xqa,flashinfer-fa3 (16-bit KV),"
+        "flashinfer-fa3-fp8 (FP8 KV, FP8 query)",
     )
     parser.add_argument("--out", help="results folder (default: benchmarks/results)")
     parser.add_argument(

@@ -13,6 +13,17 @@ timed region (``plan_host_us``).
 - ``flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) for query_len 1,
   ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for query_len > 1, both in CUDA-graph mode;
   ``plan()`` (host work plus a sync) runs outside the timed region and is reported apart.
+- ``flashinfer-fa3``: the same wrappers with ``backend="fa3"``: FlashInfer's own
+  FlashAttention-3 templates for Hopper (JIT-compiled from the wheel), sm_90 only. FA3 reads an
+  FP8 cache only with an FP8 query, so this one takes 16-bit caches (bf16 query) and skips FP8
+  cases, which ``flashinfer-fa3-fp8`` runs.
+- ``flashinfer-fa3-fp8``: FA3 on an FP8 cache as engines run it: the query quantised to e4m3
+  with one per-tensor scale (amax / 448; done before the timed step, which starts from the FP8
+  query), the query, K and V scales given to the kernel as float32 per-head tensors (each
+  head the tensor's scale), which folds them into its softmax scale and output; the
+  probabilities are FP8 too, so its error bound is XQA's. Per-tensor scales only. FlashInfer's
+  FA3 scheduler makes one work per (query head, sequence, 128-row query tile): the query heads
+  of a KV head are not packed into one tile, and a sequence is not split across CTAs.
 - ``pagedattn-triton``: the whole step on the portable family (``backend="triton"``), beside
   ``pagedattn``, which takes the Hopper family where it covers the case.
 - ``pagedattn-gluon``: the whole step on the Hopper family (``backend="gluon"``, its plans of
@@ -40,6 +51,7 @@ from .cases import KV_DTYPES, Q_DTYPES, Case
 from .timing import host_time_us
 
 PLAN_SAMPLES = 7  # host-time samples of a plan() call; the median is reported
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # FlashInfer's split-KV partial results live in this buffer; its prefill path under CUDA graphs
 # overflowed 256 MB at batch >= 16 and worked with 8 GiB (PEERS.md).
 FLASHINFER_WORKSPACE_BYTES = 8 * 2**30
@@ -186,11 +198,23 @@ class PagedAttnProvider(Provider):
         return Prepared(make_step, plan_host_us=host_time_us(replan, PLAN_SAMPLES))
 
 
+def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q8, scale)``: ``q`` as e4m3 with one float32 scale, ``amax(|q|) / 448`` (shape
+    ``[1]``), so that ``q8.float() * scale`` approximates ``q``. No host sync."""
+    scale = (q.abs().amax().float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q8 = (q.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q8, scale.reshape(1)
+
+
 class FlashInferProvider(Provider):
     """FlashInfer's paged decode / prefill wrappers, imported only when used."""
 
     name = "flashinfer"
     is_peer = True
+    backend = "auto"  # the wrappers' backend; "auto": FlashInfer picks per device and dtypes
+    # One zeroed float workspace per device, shared by the providers that run these wrappers
+    # (one case and one provider run at a time).
+    _workspaces: ClassVar[dict[torch.device, torch.Tensor]] = {}
 
     def __init__(self):
         self._workspace: torch.Tensor | None = None
@@ -222,12 +246,26 @@ class FlashInferProvider(Provider):
 
     def workspace(self, device: torch.device) -> torch.Tensor:
         """One zeroed float workspace, reused by every wrapper (one case runs at a time)."""
-        if self._workspace is None or self._workspace.device != device:
-            self._workspace = None
-            self._workspace = torch.zeros(
-                FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device
-            )
-        return self._workspace
+        found = self._workspaces.get(device)
+        if found is None:
+            self._workspaces.clear()  # a buffer on another device is not needed any more
+            found = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._workspaces[device] = found
+        return found
+
+    def query(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The query the wrappers are given, and its scale (None: the query as it is)."""
+        return inputs.q, None
+
+    def run_scales(
+        self, case: Case, copy: KVCopy, q_scale: torch.Tensor | None
+    ) -> tuple[tuple, dict]:
+        """``run()``'s scale arguments for one KV copy: positional, then keywords. Python
+        floats: FlashInfer folds ``k_scale`` into ``sm_scale`` and multiplies the output by
+        ``v_scale`` after the kernel (``.item()`` syncs, so it runs here, not in the step)."""
+        if copy.k_scale is None:
+            return (), {}
+        return (), dict(k_scale=float(copy.k_scale.item()), v_scale=float(copy.v_scale.item()))
 
     def prepare(self, inputs: Inputs) -> Prepared:
         flashinfer = self._module()
@@ -238,9 +276,10 @@ class FlashInferProvider(Provider):
             inputs.block_table, inputs.seq_lens, page_size
         )
         last_page_len = ((inputs.seq_lens - 1) % page_size + 1).to(torch.int32)
-        q_dtype, kv_dtype = Q_DTYPES[case.q_dtype], KV_DTYPES[case.kv_dtype]
+        query, q_scale = self.query(inputs)
+        out_dtype, kv_dtype = Q_DTYPES[case.q_dtype], KV_DTYPES[case.kv_dtype]
         shape = (case.num_q_heads, case.num_kv_heads, case.head_dim, page_size)
-        types = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype)
+        types = dict(q_data_type=query.dtype, kv_data_type=kv_dtype, o_data_type=out_dtype)
         workspace = self.workspace(device)
         graph_buffers = dict(
             paged_kv_indptr_buf=torch.empty_like(kv_indptr),
@@ -256,6 +295,7 @@ class FlashInferProvider(Provider):
                 paged_kv_indptr_buffer=graph_buffers["paged_kv_indptr_buf"],
                 paged_kv_indices_buffer=graph_buffers["paged_kv_indices_buf"],
                 paged_kv_last_page_len_buffer=graph_buffers["paged_kv_last_page_len_buf"],
+                backend=self.backend,
             )
 
             def plan():
@@ -276,6 +316,7 @@ class FlashInferProvider(Provider):
                 use_cuda_graph=True,
                 qo_indptr_buf=torch.empty_like(qo_indptr),
                 **graph_buffers,
+                backend=self.backend,
             )
 
             def plan():
@@ -289,21 +330,80 @@ class FlashInferProvider(Provider):
         out = torch.empty_like(inputs.q)
 
         def make_step(copy: KVCopy) -> Callable[[], torch.Tensor]:
-            scales = {}
-            if copy.k_scale is not None:
-                # Python floats: FlashInfer folds k_scale into sm_scale and multiplies by
-                # v_scale after the kernel. .item() syncs, so it happens here, not in the step.
-                scales = dict(
-                    k_scale=float(copy.k_scale.item()), v_scale=float(copy.v_scale.item())
-                )
+            args, scales = self.run_scales(case, copy, q_scale)
             kv = (copy.k_cache, copy.v_cache)
 
             def step() -> torch.Tensor:
-                return wrapper.run(inputs.q, kv, out=out, **scales)
+                return wrapper.run(query, kv, *args, out=out, **scales)
 
             return step
 
+        if self.backend != "auto":
+            kind += f", {self.backend}"
         return Prepared(make_step, plan_host_us=plan_host_us, note=kind)
+
+
+class FlashInferFA3Provider(FlashInferProvider):
+    """FlashInfer's FA3 backend (its Hopper templates) through the same wrappers; 16-bit KV
+    with a 16-bit query (``fp8_query=False``) or FP8 KV with an FP8 query (``True``)."""
+
+    backend = "fa3"
+
+    def __init__(self, name: str, *, fp8_query: bool):
+        super().__init__()
+        self.name = name
+        self.fp8_query = fp8_query
+        # Its FP8 query and probabilities: XQA's bound (the query's rounding counts too).
+        self.error_bounds = {"fp8": XQAProvider.error_bounds["fp8"]} if fp8_query else None
+
+    def available(self) -> tuple[bool, str]:
+        ok, why = super().available()
+        if not ok:
+            return ok, why
+        if not torch.cuda.is_available():
+            return False, "FlashInfer's FA3 backend needs a CUDA GPU"
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) != (9, 0):
+            return False, f"FlashInfer's FA3 backend runs on sm_90 only, not sm_{major}{minor}"
+        return True, ""
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        if not self.fp8_query:
+            if case.kv_dtype == "fp8":
+                return False, (
+                    "unsupported: FA3 reads an FP8 cache only with an FP8 query "
+                    "(flashinfer-fa3-fp8 runs it)"
+                )
+            return True, ""
+        if case.kv_dtype != "fp8":
+            return False, "unsupported: FP8 KV only (flashinfer-fa3 runs 16-bit caches)"
+        if case.kv_scale != "per_tensor":
+            return False, "unsupported: FA3 takes a scale per head, not per token"
+        return True, ""
+
+    def query(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.fp8_query:
+            return inputs.q, None
+        return quantize_query(inputs.q)
+
+    def run_scales(
+        self, case: Case, copy: KVCopy, q_scale: torch.Tensor | None
+    ) -> tuple[tuple, dict]:
+        """FP8: the query, K and V scales as float32 tensors of one scale per head (query heads
+        for the query, KV heads for K and V), positional, as FA3 takes them; the kernel folds
+        them in (no host sync, no work after it). 16-bit: none."""
+        if not self.fp8_query:
+            return (), {}
+
+        def per_head(scale: torch.Tensor, heads: int) -> torch.Tensor:
+            return scale.reshape(1).float().expand(heads).contiguous()
+
+        kv_heads = case.num_kv_heads
+        return (
+            per_head(q_scale, case.num_q_heads),
+            per_head(copy.k_scale, kv_heads),
+            per_head(copy.v_scale, kv_heads),
+        ), {}
 
 
 class XQAProvider(FlashInferProvider):
@@ -421,6 +521,8 @@ PROVIDERS: dict[str, Provider] = {
         PagedAttnProvider("pagedattn-gluon", with_plan=True, backend="gluon"),
         FlashInferProvider(),
         XQAProvider(),
+        FlashInferFA3Provider("flashinfer-fa3", fp8_query=False),
+        FlashInferFA3Provider("flashinfer-fa3-fp8", fp8_query=True),
         ReferenceProvider(),
     )
 }
