@@ -1,6 +1,6 @@
 """What every role of the Hopper decode kernel shares: its warps, the grid dependency
-(programmatic dependent launch), a work's bounds with the checks of its lengths, and the
-checks of page ids."""
+(programmatic dependent launch), the work list and a work's bounds with the checks of its
+lengths, and the clamp of page ids."""
 
 from typing import NamedTuple
 

@@ -359,9 +359,8 @@ def compute_partition(
     tok_l: gl.constexpr = gl.SliceLayout(ROW_AXIS, s_l)
     row_l: gl.constexpr = gl.SliceLayout(TOK_AXIS, s_l)
     blk: gl.constexpr = rows_layout(D, COMPUTE_WARPS)  # the query; a 16-bit V tile's tail
-    pg_l: gl.constexpr = lanes_layout(
-        COMPUTE_WARPS
-    )  # page ids of a gathered tile, a token a thread
+    # Page ids of a gathered tile, a token a thread.
+    pg_l: gl.constexpr = lanes_layout(COMPUTE_WARPS)
     k_scale_ptr, stride_ks_page, stride_ks_slot, stride_ks_head = k_scales
     v_scale_ptr, stride_vs_page, stride_vs_slot, stride_vs_head = v_scales
     block_table_ptr, stride_bt, stride_bt_col = table

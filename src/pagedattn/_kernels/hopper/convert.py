@@ -50,8 +50,8 @@ def convert_partition(
         work_begin, work_end = program_works(work_list)
         it = 0
         for w in range(work_begin, work_end):
-            bounds = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
-            _, _, token_start, token_end, _, _, _, _, n_tiles = bounds
+            work = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
+            _, _, token_start, token_end, _, _, _, _, n_tiles = work
             for i in range(n_tiles):
                 g = it + i
                 buf = g % STAGES

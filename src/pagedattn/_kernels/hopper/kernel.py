@@ -124,7 +124,8 @@ def gluon_decode_kernel(
         mbarrier.init(vready.index(st), count=1)
         mbarrier.init(empty.index(st), count=1 + CONVERT)
     fence_async_shared()
-    # What the roles read besides, each grouped once.
+    # Arguments several roles take, each group named once: the block table (pointer, row
+    # and column strides), the work list, and where the compute warpgroup writes rows.
     table = (block_table_ptr, stride_bt, stride_bt_col)
     work_list = WorkList(
         seq_lens_ptr, work_indptr_ptr, works_ptr, planned_lens_ptr, num_pages, capacity, window

@@ -69,8 +69,8 @@ def load_partition(
     for w in range(work_begin, work_end):
         if EARLY_PAGE:
             page = _first_page(work_list, w, table, PAGE_SIZE)
-        bounds = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
-        seq, kv_head, token_start, token_end, _, _, _, _, n_tiles = bounds
+        work = work_bounds(work_list, w, BLOCK, QLEN, HAS_WINDOW)
+        seq, kv_head, token_start, token_end, _, _, _, _, n_tiles = work
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
         for i in range(n_tiles):
             g = it + i
