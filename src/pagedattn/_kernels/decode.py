@@ -161,7 +161,7 @@ def _convert_kv(x, dtype: tl.constexpr, FNUZ_BITS: tl.constexpr):
 
 
 @triton.jit
-def _round_4_bits(x):
+def round_4_bits(x):
     """float32 ``x`` rounded to 4 significant bits (to nearest, ties away from zero), on its
     bits: no conversion's rounding (nor the interpreter's, which rounds some values wrongly)
     is involved."""
@@ -178,13 +178,13 @@ def _split_e4m3(q, inv_scale):
     tensor cores drop when they accumulate it no longer cancels: on the H200, 1.13e-3 error
     instead of 8.7e-4 and a biased LSE; docs/performance-log.md, "Q·K^T numerics and FP8 tensor cores".)"""
     x = q.to(tl.float32) * inv_scale[:, None]
-    hi = _round_4_bits(x)
+    hi = round_4_bits(x)
     lo = x - hi
     return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
 
 
 @triton.jit
-def _pow2_row_scale(amax, TOP: tl.constexpr, UPSCALE: tl.constexpr):
+def pow2_row_scale(amax, TOP: tl.constexpr, UPSCALE: tl.constexpr):
     """Per row, a power of two ``scale`` (and its exact inverse) with ``amax / scale`` in
     ``[2^(TOP - 1), 2^TOP)``; without ``UPSCALE`` never below 1 (rows already small stay
     as they are). Built on the exponent bits: no division, no rounding."""
@@ -614,7 +614,7 @@ def _decode_kernel(
             for c in tl.static_range(1, CHUNKS):
                 amax = tl.maximum(amax, tl.max(tl.abs(q[c].to(tl.float32)), axis=1))
             if QK_FP8:
-                q_row_scale, inv = _pow2_row_scale(amax, 8, True)
+                q_row_scale, inv = pow2_row_scale(amax, 8, True)
                 q_hi = ()
                 q_lo = ()
                 for c in tl.static_range(CHUNKS):
@@ -623,7 +623,7 @@ def _decode_kernel(
                     q_lo += (lo,)
                 q = q_hi
             else:
-                q_row_scale, inv = _pow2_row_scale(amax, 15, False)
+                q_row_scale, inv = pow2_row_scale(amax, 15, False)
                 q_fp16 = ()
                 for c in tl.static_range(CHUNKS):
                     q_fp16 += ((q[c].to(tl.float32) * inv[:, None]).to(tl.float16),)

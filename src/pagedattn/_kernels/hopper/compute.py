@@ -11,7 +11,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common import globaltimer, tensor_scales
-from ..decode import trace_program_start, trace_work_start
+from ..decode import pow2_row_scale, round_4_bits, trace_program_start, trace_work_start
 from .common import (
     COMPUTE_WARPS,
     clamped_page,
@@ -22,13 +22,6 @@ from .common import (
 )
 from .epilogue import epilogue
 from .layouts import lanes_layout, mma_layout, rows_layout
-
-
-@gluon.jit
-def _round_4_bits(x):
-    # Rounded to 4 significant bits on the bits (ties away from zero), as ``_kernels/decode.py`` does.
-    b = x.to(gl.int32, bitcast=True)
-    return ((b + 0x80000) & -0x100000).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -65,12 +58,10 @@ def _load_query(
     else:
         x = q.to(gl.float32)
         amax = gl.max(gl.abs(x), axis=1)
-        bits = gl.maximum(amax, 1e-30).to(gl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 + 1 - 8
-        scale = ((e + 127) << 23).to(gl.float32, bitcast=True)
-        inv = ((127 - e) << 23).to(gl.float32, bitcast=True)
+        scale, inv = pow2_row_scale(amax, 8, True)
+        # hi + lo as ``_split_e4m3`` (decode.py) makes them, converted to e4m3 at the stores.
         x = x * inv[:, None]
-        hi = _round_4_bits(x)
+        hi = round_4_bits(x)
         lo = x - hi
         gl.thread_barrier()
         qhi_s.store(hi.to(gl.float8e4nv))
