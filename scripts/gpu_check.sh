@@ -5,8 +5,15 @@
 # scheduler timing, the offline tuner, the side-by-side benchmark; a short summary printed
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $RESULTS (default
 # /tmp/gpu_check_out).
-#   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|host|all|profile|budget|
-#   ab|ab_src|ab_multi] [args]
+#   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|append|fa3|cb|host|all|
+#   steady|profile|budget|ab|ab_src|ab_multi] [args]
+# (several modes in one run: comma-separated, e.g. append,fa3,cb,steady, each with its summary;
+# append: append_kv against the copy ceiling, benchmarks/micro.py append; fa3: FlashInfer's FA3
+# backend beside pagedattn and XQA, FP8 and bf16 KV (FA3_BENCH_ARGS replace its cases); cb:
+# transformers' continuous batching with paged|sdpa and with pagedattn,
+# benchmarks/transformers_cb.py (CB_ARGS); these three also in all; steady: examples/generate.py's
+# steady-state decode, bf16 and FP8 caches, STEADY_TOKENS new tokens (default 256), with
+# STEADY_EAGER=1 also without CUDA graphs; not in all, where example runs generate.py;
 # (host: wall time of each eager call, scripts/host_overhead.py, also in all and profile;
 # profile: that and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
@@ -25,6 +32,11 @@ LOGS=/tmp/gpu_logs
 mkdir -p "$RESULTS" "$LOGS"
 MODE=${1:-all}
 shift || true
+if [[ $MODE == *,* ]]; then
+  status=0
+  for one in ${MODE//,/ }; do bash "$0" "$one" "$@" || status=$?; done
+  exit $status
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then  # peers (FlashInfer) installed from wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -107,6 +119,52 @@ if [[ $MODE == bench || $MODE == all ]]; then
   python3 -m pagedattn bench --out "$RESULTS" "$@" >"$LOGS/bench.log" 2>&1
   summary+=("bench rc $?")
   tail -40 "$LOGS/bench.log"
+fi
+
+if [[ $MODE == append || $MODE == all ]]; then
+  # append_kv alone: 64, 256, 4096 tokens x 8 kv heads x 128, FP8 per-token and bf16 caches.
+  timeout "${APPEND_SECONDS:-180}" python3 benchmarks/micro.py append >"$RESULTS/append.md" 2>&1
+  summary+=("append rc $?: $(grep -E '^\| [0-9]' "$RESULTS/append.md" |
+    awk -F' \\| ' '{printf "%s %s %s us %s%% %s; ", $1, $2, $6, $8, $9}' | tr -d '|')")
+  grep -E "^copy ceiling|^\||WRONG|Error" "$RESULTS/append.md" | tail -12
+fi
+
+if [[ $MODE == fa3 || $MODE == all ]]; then
+  # FlashInfer's FA3 backend (JIT-compiled for sm_90a) beside pagedattn and XQA: FP8 KV with an
+  # FP8 query (flashinfer-fa3-fp8), bf16 KV (flashinfer-fa3).
+  # shellcheck disable=SC2086
+  timeout "${FA3_SECONDS:-420}" python3 -m pagedattn bench --out "$RESULTS" --name fa3 --no-plots \
+    --providers pagedattn,xqa,flashinfer-fa3,flashinfer-fa3-fp8 \
+    ${FA3_BENCH_ARGS:---batch 16,128 --context 8192,32768 --query-len 1,4 --kv-dtype fp8,bf16} \
+    >"$LOGS/fa3.log" 2>&1
+  summary+=("fa3 bench rc $?: $RESULTS/fa3.md")
+  cp "$LOGS/fa3.log" "$RESULTS"/
+  tail -30 "$LOGS/fa3.log"
+fi
+
+if [[ $MODE == cb || $MODE == all ]]; then
+  # transformers' continuous batching: its paged|sdpa and pagedattn on a random ~1.1B Llama.
+  # shellcheck disable=SC2086
+  timeout "${CB_SECONDS:-300}" python3 benchmarks/transformers_cb.py ${CB_ARGS:-} \
+    >"$RESULTS/transformers_cb.md" 2>&1
+  summary+=("cb rc $?: $(grep -E '^\| paged|^tokens identical' "$RESULTS/transformers_cb.md" |
+    tr '\n' ' ')")
+  tail -8 "$RESULTS/transformers_cb.md"
+fi
+
+if [[ $MODE == steady ]]; then
+  # examples/generate.py's steady-state decode (median whole step, tokens/s), both caches.
+  graphs=(--cuda-graph)
+  [[ ${STEADY_EAGER:-0} == 1 ]] && graphs+=(--no-cuda-graph)
+  for kv in bf16 fp8; do
+    for graph in "${graphs[@]}"; do
+      out="$RESULTS/steady_${kv}$([[ $graph == --cuda-graph ]] || echo _eager).txt"
+      timeout 300 python3 examples/generate.py --kv-cache $kv "$graph" \
+        --new-tokens "${STEADY_TOKENS:-256}" >"$out" 2>&1
+      summary+=("steady $kv $graph rc $?: $(grep -E '^decode steady state|^tokens match' "$out" |
+        tr '\n' ' ')")
+    done
+  done
 fi
 
 if [[ $MODE == host || $MODE == all || $MODE == profile ]]; then
