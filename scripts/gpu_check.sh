@@ -13,7 +13,8 @@
 # transformers' continuous batching with paged|sdpa and with pagedattn,
 # benchmarks/transformers_cb.py (CB_ARGS); these three also in all; steady: examples/generate.py's
 # steady-state decode, bf16 and FP8 caches, STEADY_TOKENS new tokens (default 256), with
-# STEADY_EAGER=1 also without CUDA graphs; not in all, where example runs generate.py;
+# STEADY_EAGER=1 also without CUDA graphs; not in all, where example runs generate.py; each
+# bounded by APPEND_SECONDS, FA3_SECONDS, CB_SECONDS, STEADY_SECONDS (a run));
 # (host: wall time of each eager call, scripts/host_overhead.py, also in all and profile;
 # profile: that and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
@@ -159,7 +160,7 @@ if [[ $MODE == steady ]]; then
   for kv in bf16 fp8; do
     for graph in "${graphs[@]}"; do
       out="$RESULTS/steady_${kv}$([[ $graph == --cuda-graph ]] || echo _eager).txt"
-      timeout 300 python3 examples/generate.py --kv-cache $kv "$graph" \
+      timeout "${STEADY_SECONDS:-300}" python3 examples/generate.py --kv-cache $kv "$graph" \
         --new-tokens "${STEADY_TOKENS:-256}" >"$out" 2>&1
       summary+=("steady $kv $graph rc $?: $(grep -E '^decode steady state|^tokens match' "$out" |
         tr '\n' ' ')")
