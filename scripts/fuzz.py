@@ -1,7 +1,11 @@
 """Fuzzes the decode step on the GPU: random valid steps (padding slots among them) and steps
 with one corrupted sequence (``pagedattn.testing``), each checked against the float64 reference
 and the robustness contract. Geometries come from ``testing.COMPILED_GEOMETRIES`` (a few kernel
-specialisations each); lengths, batch sizes, page ids and windows are random.
+specialisations each); lengths, batch sizes, page ids and windows are random. Each step's new
+tokens are also written with ``append_kv`` into caches inside a poisoned buffer and checked byte
+for byte against ``append_kv_torch``; half the corrupted steps put slots outside the cache into
+that write too. The last line sums it up (``fuzz: ...``): decode cases by kind, append_kv cases
+(valid, with bad slots) and the failures of each.
 
     python scripts/fuzz.py --valid 10000 --corrupt 1000 --seconds 300
     compute-sanitizer --tool memcheck python scripts/fuzz.py --valid 20 --corrupt 200
@@ -23,7 +27,9 @@ from pagedattn import testing
 
 
 def fuzz(seed: int, valid: int, corrupt: int, seconds: float, max_batch: int, max_len: int):
-    """One worker's share: ``(counts by kind, failure tracebacks)``."""
+    """One worker's share: ``(counts by kind, failure tracebacks)``; the counts hold the decode
+    cases by corruption ("valid" for none), and ``append valid``, ``append bad slots``,
+    ``failed decode``, ``failed append``."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rng = random.Random(seed)
     kinds = ["valid"] * valid + ["corrupt"] * corrupt
@@ -38,11 +44,14 @@ def fuzz(seed: int, valid: int, corrupt: int, seconds: float, max_batch: int, ma
         case = testing.random_case(rng, device, geometry, max_batch=max_batch, max_len=max_len)
         if kind == "corrupt":
             case = testing.corrupt(case, rng)
-        try:
-            testing.check_case(case)
-        except Exception:  # report every kind of failure, keep fuzzing
-            failures.append(traceback.format_exc(limit=3))
+        for part, check in (("decode", testing.check_decode), ("append", testing.check_append)):
+            try:
+                check(case)
+            except Exception:  # report every kind of failure, keep fuzzing
+                failures.append(traceback.format_exc(limit=3))
+                done[f"failed {part}"] += 1
         done[case.corruption or "valid"] += 1
+        done["append bad slots" if case.append.bad_rows else "append valid"] += 1
     return done, failures
 
 
@@ -79,13 +88,17 @@ def main() -> int:
     elapsed = time.perf_counter() - start
     done = sum((r[0] for r in results), collections.Counter())
     failures = [text for r in results for text in r[1]]
+    append = {k: done.pop(k, 0) for k in ("append valid", "append bad slots")}
+    failed = {k: done.pop(k, 0) for k in ("failed decode", "failed append")}
     total = sum(done.values())
     corrupted = total - done["valid"]
     print(
         f"fuzz: {total} cases in {elapsed:.0f} s on {n} worker(s) ({done['valid']} valid, "
         f"{corrupted} corrupted: "
         + ", ".join(f"{k} {v}" for k, v in sorted(done.items()) if k != "valid")
-        + f"), {len(failures)} failed"
+        + f"; append_kv {append['append valid']} valid, {append['append bad slots']} with bad "
+        f"slots), {len(failures)} failed (decode {failed['failed decode']}, append_kv "
+        f"{failed['failed append']})"
     )
     for text in failures[:5]:
         print(text)

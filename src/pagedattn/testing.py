@@ -4,10 +4,14 @@ A :class:`Case` is a decode step with a geometry, lengths (some of them padding 
 block-table rows point at NaN pages), a block table and the lengths its plan is made from.
 :func:`corrupt` spoils one thing the kernels must not trust (a length, a page id, the table's
 width, the plan's lengths); :func:`expected_faults` says which sequences must then come out
-NaN, with which fault codes; :func:`check_case` runs the step and checks all of it against the
-float64 reference. The test suite runs a few hundred cases through Triton's interpreter;
-``scripts/fuzz.py`` runs many more on the GPU. :func:`random_step`, :func:`reference_decode` and
-:func:`fault_codes` are the pieces the tests' own steps are built and checked from.
+NaN, with which fault codes; :func:`check_decode` runs the step and checks all of it against the
+float64 reference. Each case also carries the step's cache write (:class:`AppendCase`: the new
+tokens' slots, -1 for padding rows); :func:`corrupt` may put slots outside the cache into it,
+and :func:`check_append` runs ``append_kv`` into caches that sit inside a larger poisoned
+buffer and checks every byte against ``append_kv_torch``. :func:`check_case` does both. The
+test suite runs a few hundred cases through Triton's interpreter; ``scripts/fuzz.py`` runs many
+more on the GPU. :func:`random_step`, :func:`reference_decode` and :func:`fault_codes` are the
+pieces the tests' own steps are built and checked from.
 """
 
 from __future__ import annotations
@@ -15,14 +19,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 
 import torch
 
 from ._kernels import records
-from .cache import FP8_DTYPE, PagedCache, build_paged_cache
+from .cache import FP8_DTYPE, PagedCache, append_kv, build_paged_cache
 from .decode import paged_decode
 from .plan import plan_decode
-from .reference import paged_decode_torch, rel_error
+from .reference import append_kv_torch, dequantize_kv, paged_decode_torch, rel_error
 
 CORRUPTIONS = (
     "negative_length",
@@ -36,6 +41,39 @@ CORRUPTIONS = (
 # plus compute; the tight per-dtype bounds live in tests/test_decode.py).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 POISON = 1.0e4  # written into ``out`` before a run: rows nobody writes keep it
+
+# Slots append_kv must never write, by kind: below -1, at the capacity, past it, int32's
+# extremes, and int64 values past int32 (some of them a valid slot plus 2^32 or 2^31, which a
+# kernel that cut slots to 32 bits would write in or before the cache).
+SLOT_CORRUPTIONS = ("below_padding", "capacity", "past_capacity", "int32_extreme", "int64_huge")
+# Pages of poisoned buffer before and after each cache (and per-token scale) append_kv writes
+# into: a slot just outside the cache, written, lands there and shows.
+MARGIN_PAGES = 2
+# Bound of ||dequantised rows - new rows|| / ||new rows|| for FP8 caches: e4m3 rounds to
+# nearest with 3 mantissa bits (relative error <= 2^-4); saturated values are compared clamped.
+APPEND_FP8_BOUND = 0.07
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendCase:
+    """A decode step's cache write: ``slots[t]`` is the slot of token row ``t`` (the case's
+    query rows, -1 for a padding slot's, then a few more padding rows, as engines pad the token
+    count); ``bad_rows`` are the rows whose slots were put outside the cache."""
+
+    slots: tuple[int, ...]
+    bad_rows: tuple[int, ...]
+    slot_dtype: torch.dtype
+    cache_dtype: torch.dtype  # the geometry's KV dtype; an FP8 one may be e4m3fnuz instead
+    combined: bool  # K and V interleaved page by page in one buffer (else one after the other)
+    strided_rows: bool  # k and v as views of a qkv-like tensor
+    debug: bool
+
+    def describe(self) -> str:
+        return (
+            f"append: slots={list(self.slots)} ({self.slot_dtype}) bad_rows={list(self.bad_rows)} "
+            f"cache={self.cache_dtype} combined={self.combined} strided={self.strided_rows} "
+            f"debug={self.debug}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +109,8 @@ class Case:
     # For a corrupted page id, the table before (the plan is the same, so the other rows must
     # come out bit for bit as with it).
     clean_block_table: torch.Tensor | None = None
+    seed: int = 0  # the case's data (cache, query, the write's new rows) is drawn from it
+    append: AppendCase | None = None
 
     def describe(self) -> str:
         g = self.geometry
@@ -80,7 +120,8 @@ class Case:
             f"page={g.page_size} kv={g.kv_dtype} {g.kv_scale} {g.kv_layout} q={g.q_dtype} "
             f"window={self.sliding_window} programs={g.num_programs} "
             f"partition={g.partition_size} table={tuple(self.block_table.shape)} "
-            f"pages={self.num_pages}"
+            f"pages={self.num_pages} seed={self.seed}"
+            + (f"; {self.append.describe()}" if self.append is not None else "")
         )
 
 
@@ -249,7 +290,8 @@ def make_case(
     sliding_window: int | None = None,
 ) -> Case:
     """A valid step of these lengths: a random cache whose unowned pages are NaN (the padding
-    slots' rows and unused table columns point at one), and a random query."""
+    slots' rows and unused table columns point at one), a random query, and the step's cache
+    write (its choices drawn from ``seed``, so the caller's random stream is untouched)."""
     g = geometry
     cache, q = random_step(
         lens,
@@ -273,11 +315,86 @@ def make_case(
         k_scale=cache.k_scale,
         v_scale=cache.v_scale,
         sliding_window=sliding_window,
+        seed=seed,
+        append=_append_case(g, lens, cache.block_table.tolist(), random.Random(seed)),
     )
 
 
-def corrupt(case: Case, rng: random.Random, kind: str | None = None) -> Case:
-    """Spoils one sequence of a valid case (or the table's width) in one of ``CORRUPTIONS``."""
+def _append_case(g: Geometry, lens: list[int], table: list[list[int]], rng) -> AppendCase:
+    """The write of each sequence's ``query_len`` new tokens (the last of its length) into
+    the slots its table gives them; padding slots' rows get -1, and so do 0..2 rows more."""
+    slots = []
+    for b, n in enumerate(lens):
+        for i in range(g.query_len):
+            position = n - g.query_len + i
+            if n <= 0 or position < 0:
+                slots.append(-1)
+            else:
+                page = table[b][position // g.page_size]
+                slots.append(page * g.page_size + position % g.page_size)
+    slots += [-1] * rng.choice([0, 0, 1, 2])
+    fp8 = g.kv_dtype == FP8_DTYPE
+    return AppendCase(
+        slots=tuple(slots),
+        bad_rows=(),
+        slot_dtype=rng.choice([torch.int32, torch.int64]),
+        cache_dtype=torch.float8_e4m3fnuz if fp8 and rng.random() < 0.25 else g.kv_dtype,
+        combined=rng.random() < 0.5,
+        strided_rows=rng.random() < 0.5,
+        debug=rng.random() < 0.5,
+    )
+
+
+def bad_slot(kind: str, rng: random.Random, capacity: int, page_size: int, slot_dtype) -> int:
+    """A slot of ``SLOT_CORRUPTIONS`` kind ``kind`` for a cache of ``capacity`` slots; within
+    ``MARGIN_PAGES`` of the cache where the kind allows, else anywhere ``slot_dtype`` holds."""
+    if kind == "int64_huge" and slot_dtype == torch.int32:
+        kind = "int32_extreme"
+    if kind == "below_padding":
+        return rng.choice([-2, -page_size - 1, -rng.randint(2, 10**6)])
+    if kind == "capacity":
+        return capacity
+    if kind == "past_capacity":
+        return rng.choice([capacity + rng.randrange(page_size), capacity + rng.randint(1, 10**6)])
+    if kind == "int32_extreme":
+        return rng.choice([-(2**31), 2**31 - 1])
+    if kind == "int64_huge":
+        valid = rng.randrange(capacity) if capacity else 0
+        return rng.choice([2**62, -(2**63), 2**63 - 1, 2**32 + valid, 2**31 + valid])
+    raise ValueError(f"kind: expected one of {SLOT_CORRUPTIONS}, got {kind!r}")
+
+
+def corrupt_slots(case: Case, rng: random.Random, kinds=None) -> Case:
+    """Puts 1..3 rows of the case's cache write (any rows, padding ones too) outside the
+    cache, each with a slot of a kind drawn from ``kinds`` (default all ``SLOT_CORRUPTIONS``)."""
+    a = case.append
+    capacity = case.num_pages * case.geometry.page_size
+    slots = list(a.slots)
+    rows = sorted(rng.sample(range(len(slots)), rng.randint(1, min(3, len(slots)))))
+    for row in rows:
+        kind = rng.choice(kinds or SLOT_CORRUPTIONS)
+        slots[row] = bad_slot(kind, rng, capacity, case.geometry.page_size, a.slot_dtype)
+    append = dataclasses.replace(a, slots=tuple(slots), bad_rows=tuple(rows))
+    return dataclasses.replace(case, append=append)
+
+
+def corrupt(
+    case: Case, rng: random.Random, kind: str | None = None, *, slots: bool | None = None
+) -> Case:
+    """Spoils one sequence of a valid case (or the table's width) in one of ``CORRUPTIONS``,
+    and with ``slots`` (default: for one case in two) the case's cache write
+    (:func:`corrupt_slots`). Whether and how the write is spoiled is drawn from the case's
+    seed, not from ``rng``."""
+    corrupted = _corrupt_decode(case, rng, kind)
+    slot_rng = random.Random(f"slots-{case.seed}")
+    if slots is None:
+        slots = slot_rng.random() < 0.5
+    if slots and case.append is not None:
+        corrupted = corrupt_slots(corrupted, slot_rng)
+    return corrupted
+
+
+def _corrupt_decode(case: Case, rng: random.Random, kind: str | None) -> Case:
     kind = kind or rng.choice(CORRUPTIONS)
     if kind == "short_length" and case.geometry.query_len == 1:
         kind = "negative_length"  # no length lies between 0 and a query_len of 1
@@ -295,7 +412,7 @@ def corrupt(case: Case, rng: random.Random, kind: str | None = None) -> Case:
     elif kind == "page_id":
         real = [b for b, n in enumerate(lens) if n > 0]
         if not real:
-            return corrupt(case, rng, "negative_length")
+            return _corrupt_decode(case, rng, "negative_length")
         seq = rng.choice(real)
         # The last page is read whatever the window; without one, any page the sequence uses.
         last = (lens[seq] - 1) // g.page_size
@@ -308,7 +425,7 @@ def corrupt(case: Case, rng: random.Random, kind: str | None = None) -> Case:
     elif kind == "narrow_table":
         longest = max(math.ceil(n / g.page_size) for n in lens)
         if longest == 0:
-            return corrupt(case, rng, "negative_length")
+            return _corrupt_decode(case, rng, "negative_length")
         table = table[:, : rng.randint(0, longest - 1)]  # a view: its row stride stays wide
     elif kind == "stale_plan":
         n = lens[seq]
@@ -385,6 +502,12 @@ def run_case(case: Case, block_table: torch.Tensor | None = None):
 
 
 def check_case(case: Case) -> None:
+    """:func:`check_decode`, then :func:`check_append`."""
+    check_decode(case)
+    check_append(case)
+
+
+def check_decode(case: Case) -> None:
     """Runs ``case`` and asserts the contract: the expected faults and no others; NaN rows
     and LSE for the faulty sequences; zero rows and LSE -inf for padding slots; the other
     rows within the dtype's bound of the float64 reference (and, for a corrupted page id,
@@ -432,3 +555,179 @@ def check_case(case: Case) -> None:
     if case.corruption == "page_id":
         clean_out, _, _ = run_case(case, block_table=case.clean_block_table)
         assert torch.equal(out[rows], clean_out[rows]), f"valid rows changed ({where})"
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of ``x``, so poison (NaN among it) compares equal to itself."""
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+def _poisoned_buffer(dims, dtype, num_pages: int, combined: bool, gen) -> torch.Tensor:
+    """Random bytes, room for a K and a V of ``[num_pages, *dims]`` with ``MARGIN_PAGES``
+    pages of margin on each side: ``[pages, 2, *dims]`` (combined) or ``[2, pages, *dims]``."""
+    pages = num_pages + 2 * MARGIN_PAGES
+    shape = (pages, 2, *dims) if combined else (2, pages, *dims)
+    buffer = torch.empty(shape, dtype=dtype, device=gen.device)
+    noise = torch.randint(0, 256, (buffer.numel() * buffer.element_size(),), generator=gen,
+                          device=gen.device, dtype=torch.uint8)  # fmt: skip
+    buffer.view(torch.uint8).view(-1).copy_(noise)
+    return buffer
+
+
+def _pair(buffer: torch.Tensor, num_pages: int, combined: bool):
+    """The K and V views (``[num_pages, ...]``) of a :func:`_poisoned_buffer`."""
+    pages = slice(MARGIN_PAGES, MARGIN_PAGES + num_pages)
+    return (
+        (buffer[pages, 0], buffer[pages, 1]) if combined else (buffer[0, pages], buffer[1, pages])
+    )
+
+
+def _at_slots(x: torch.Tensor, pages, offsets, kv_layout: str) -> torch.Tensor:
+    """``x``'s rows (a cache or per-token scale) at these slots, token-major."""
+    return x[pages, offsets] if kv_layout == "NHD" else x[pages, :, offsets]
+
+
+def _differences(got: torch.Tensor, want: torch.Tensor, combined: bool) -> str:
+    """How two buffers differ: elements in all, and how many in the margins (outside the
+    cache)."""
+    differ = _bits(got) != _bits(want)
+    by_page = differ.transpose(0, 1) if not combined else differ
+    by_page = by_page.reshape(by_page.shape[0], -1).sum(dim=1)
+    margin = int(by_page[:MARGIN_PAGES].sum() + by_page[by_page.shape[0] - MARGIN_PAGES :].sum())
+    return f"{int(differ.sum())} element(s) differ, {margin} of them in the margins"
+
+
+_BAD_ROWS_MESSAGE = re.compile(
+    r"slot_mapping: (\d+) slot\(s\) outside the cache \[0, (\d+)\) at token rows "
+    r"([0-9, ]+?)(?: \(and \d+ more\))?: expected"
+)
+
+
+def check_append(case: Case) -> None:
+    """Runs the case's cache write with ``append_kv`` into K/V caches (and per-token scales)
+    that are views into larger buffers of random bytes, and asserts: every byte of the
+    buffers as ``append_kv_torch`` leaves them (margins and slots no valid token goes to keep
+    their poison; per-tensor scales are not written); the valid rows read back as the new
+    rows (exactly for 16-bit caches); with ``debug``, a ``ValueError`` naming exactly the rows
+    whose slots are outside the cache, or none."""
+    a = case.append
+    if a is None:
+        return
+    g = case.geometry
+    where = case.describe()
+    device = case.q.device
+    gen = torch.Generator(device=device).manual_seed(case.seed + 1)
+    num_pages, page_size, heads = case.num_pages, g.page_size, g.num_kv_heads
+    capacity = num_pages * page_size
+    num_rows = len(a.slots)
+
+    # -- the new rows: a few large values (per-tensor scales saturate them), a zero row --
+    qkv = torch.randn((num_rows, 3 if a.strided_rows else 2, heads, g.head_dim),
+                      generator=gen, device=device)  # fmt: skip
+    qkv[:, :, 0, :2] *= 50.0
+    qkv[num_rows // 2, :, heads - 1] = 0.0  # per-token scale 1
+    qkv = qkv.to(g.q_dtype)
+    k, v = qkv[:, -2], qkv[:, -1]
+
+    # -- poisoned buffers around the caches (and per-token scales) --
+    by_slot = (page_size, heads) if g.kv_layout == "NHD" else (heads, page_size)
+    buffers = {"cache": _poisoned_buffer((*by_slot, g.head_dim), a.cache_dtype, num_pages,
+                                         a.combined, gen)}  # fmt: skip
+    tensor_scales = None
+    if g.kv_scale == "per_token":
+        buffers["scale"] = _poisoned_buffer(by_slot, torch.float32, num_pages, a.combined, gen)
+    elif g.kv_scale == "per_tensor":
+        tensor_scales = torch.rand(2, generator=gen, device=device) * 0.02 + 0.003
+    poison = {name: b.clone() for name, b in buffers.items()}
+    twin = {name: b.clone() for name, b in buffers.items()}
+
+    def arguments(bufs):
+        k_cache, v_cache = _pair(bufs["cache"], num_pages, a.combined)
+        if "scale" in bufs:
+            k_scale, v_scale = _pair(bufs["scale"], num_pages, a.combined)
+        elif tensor_scales is not None:
+            k_scale, v_scale = tensor_scales[0:1], tensor_scales[1:2]
+        else:
+            k_scale = v_scale = None
+        return (k_cache, v_cache), dict(kv_layout=g.kv_layout, k_scale=k_scale,
+                                        v_scale=v_scale, kv_scale=g.kv_scale)  # fmt: skip
+
+    slot_mapping = torch.tensor(a.slots, dtype=a.slot_dtype, device=device)
+    scales_before = None if tensor_scales is None else tensor_scales.clone()
+    caches, options = arguments(buffers)
+    error = None
+    try:
+        append_kv(k, v, *caches, slot_mapping, **options, debug=a.debug)
+    except ValueError as raised:
+        if not a.debug:
+            raise
+        error = raised
+    twin_caches, twin_options = arguments(twin)
+    append_kv_torch(k, v, *twin_caches, slot_mapping, **twin_options)
+
+    # -- debug: the bad rows named, exactly --
+    bad = [t for t, s in enumerate(a.slots) if s < -1 or s >= capacity]
+    assert bad == list(a.bad_rows), f"setup: bad rows {bad}, expected {a.bad_rows} ({where})"
+    if a.debug and bad:
+        assert error is not None, f"append_kv: debug=True did not raise for rows {bad} ({where})"
+        match = _BAD_ROWS_MESSAGE.search(str(error))
+        assert match, f"append_kv: unexpected message {str(error)!r} ({where})"
+        named = [int(row) for row in match[3].split(", ")]
+        assert (int(match[1]), int(match[2]), named) == (len(bad), capacity, bad[:16]), (
+            f"append_kv: debug named rows {named} of {match[1]} (capacity {match[2]}), "
+            f"expected {bad} of {capacity} ({where})"
+        )
+    elif error is not None:
+        raise AssertionError(f"append_kv: debug=True raised with no bad slot: {error} ({where})")
+
+    # -- every byte as the twin leaves it; poison kept wherever no valid token goes --
+    rows = [t for t, s in enumerate(a.slots) if 0 <= s < capacity]
+    slots = torch.tensor([a.slots[t] for t in rows], dtype=torch.int64, device=device)
+    pages, offsets = slots // page_size, slots % page_size
+    for name, buffer in buffers.items():
+        if not torch.equal(_bits(buffer), _bits(twin[name])):
+            differences = _differences(buffer, twin[name], a.combined)
+            raise AssertionError(
+                f"append_kv: {name} buffer not as append_kv_torch writes it: {differences} "
+                f"({where})"
+            )
+        # Equal to the kernel's now: put the poison back at the valid tokens' slots, and no
+        # byte may differ from it.
+        restored = twin[name]
+        for into, source in zip(_pair(restored, num_pages, a.combined),
+                                _pair(poison[name], num_pages, a.combined)):  # fmt: skip
+            if g.kv_layout == "NHD":
+                into[pages, offsets] = source[pages, offsets]
+            else:
+                into[pages, :, offsets] = source[pages, :, offsets]
+        if not torch.equal(_bits(restored), _bits(poison[name])):
+            differences = _differences(restored, poison[name], a.combined)
+            raise AssertionError(
+                f"append_kv: {name} buffer: poison lost where no valid token goes: "
+                f"{differences} ({where})"
+            )
+    if tensor_scales is not None:
+        assert torch.equal(tensor_scales, scales_before), (
+            f"append_kv: per-tensor scale written ({where})"
+        )
+
+    # -- the valid rows read back as the new rows --
+    if not rows:
+        return
+    token_rows = torch.tensor(rows, device=device)
+    for new, cache, scale in zip((k, v), caches, (options["k_scale"], options["v_scale"])):
+        got = _at_slots(cache, pages, offsets, g.kv_layout)
+        want = new[token_rows]
+        if g.kv_scale is None:
+            assert torch.equal(_bits(got), _bits(want)), (
+                f"append_kv: rows not stored as given ({where})"
+            )
+            continue
+        if g.kv_scale == "per_token":
+            scale = _at_slots(scale, pages, offsets, g.kv_layout)
+        want = want.double()
+        if g.kv_scale == "per_tensor":
+            limit = torch.finfo(a.cache_dtype).max * float(scale)
+            want = want.clamp(-limit, limit)
+        err = rel_error(dequantize_kv(got, scale), want) if bool(want.any()) else 0.0
+        assert err <= APPEND_FP8_BOUND, f"append_kv: rows read back with error {err:.2e} ({where})"
