@@ -42,6 +42,8 @@ def main(argv=None) -> None:
     import torch
 
     import pagedattn
+    from pagedattn.bench.cases import Case
+    from pagedattn.bench.run import make_cache, make_query
     from pagedattn.launch import BoundLaunch
 
     device = torch.device("cpu" if args.cpu else "cuda")
@@ -50,27 +52,11 @@ def main(argv=None) -> None:
         BoundLaunch.__call__ = lambda self, *launch_args: None
 
     gen = torch.Generator(device=device).manual_seed(0)
-    batch, heads, kv_heads, head_dim, page = 64, 16, 1, 128, 16
-    fp8 = torch.float8_e4m3fn
-    shape = dict(
-        num_q_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        page_size=page,
-        kv_dtype=fp8,
-        kv_scale="per_token",
-    )
-    cache = pagedattn.build_paged_cache(
-        [1024] * batch,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        page_size=page,
-        kv_dtype=fp8,
-        kv_scale="per_token",
-        device=device,
-        generator=gen,
-    )
-    q = torch.randn(batch, heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
+    case = Case(batch=64, context=1024, page_size=16, kv_scale="per_token")
+    batch, kv_heads, head_dim, page = case.batch, case.num_kv_heads, case.head_dim, case.page_size
+    shape = case.plan_kwargs()
+    cache = make_cache(case, device, gen)
+    q = make_query(case, device, gen)
     k_new = torch.randn(batch, kv_heads, head_dim, generator=gen, device=device)
     k_new, v_new = k_new.to(torch.bfloat16), k_new.flip(0).to(torch.bfloat16)
     # Each sequence's last slot (its newest token).
