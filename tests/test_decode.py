@@ -57,6 +57,11 @@ class Case:
     launch: DecodeLaunchConfig | None = None
 
 
+def _tiles16(**fields) -> DecodeLaunchConfig:
+    """A launch with 16-token tiles (a tile per 16-token page), 4 warps and 2 stages."""
+    return DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, **fields)
+
+
 CASES = {
     "bf16-nhd": Case((37, 5, 64)),
     "fp16-hnd": Case((20, 33), kv_dtype=torch.float16, q_dtype=torch.float16, kv_layout="HND"),
@@ -126,9 +131,7 @@ CASES = {
         query_len=3,
         kv_dtype=FP8,
         kv_scale="per_token",
-        launch=DecodeLaunchConfig(
-            block_n=16, num_warps=4, num_stages=2, unmasked_loop=False, qk_fp16=False
-        ),
+        launch=_tiles16(unmasked_loop=False, qk_fp16=False),
     ),
     # Q K^T on e4m3 tensor cores (the query as two e4m3 terms); q_len 4 x 16 heads = 64 rows,
     # the warpgroup tile where the compiled code uses FP8 wgmma.
@@ -148,9 +151,7 @@ CASES = {
         kv_dtype=FP8,
         kv_scale="per_token",
         window=25,
-        launch=DecodeLaunchConfig(
-            block_n=16, num_warps=4, num_stages=2, qk_fp8=True, head_chunk=32
-        ),
+        launch=_tiles16(qk_fp8=True, head_chunk=32),
     ),
     "qk-fp8-four-chunks-hnd": Case(
         (50, 17),
@@ -161,23 +162,21 @@ CASES = {
         kv_scale="per_tensor",
         kv_layout="HND",
         out_dtype=torch.float32,
-        launch=DecodeLaunchConfig(
-            block_n=16, num_warps=4, num_stages=2, qk_fp8=True, head_chunk=32
-        ),
+        launch=_tiles16(qk_fp8=True, head_chunk=32),
     ),
     "chunk16-fp8-token-qlen3": Case(
         (90, 33, 3),
         query_len=3,
         kv_dtype=FP8,
         kv_scale="per_token",
-        launch=DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, head_chunk=16),
+        launch=_tiles16(head_chunk=16),
     ),
     "chunk16-fp8-tensor-window-gather": Case(
         (70, 20),
         kv_dtype=FP8,
         kv_scale="per_tensor",
         window=9,
-        launch=DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, tma=False, head_chunk=16),
+        launch=_tiles16(tma=False, head_chunk=16),
     ),
     "one-chunk-bf16-gqa16-split": Case(
         (200, 7),
@@ -196,11 +195,8 @@ CASES = {
         num_programs=13,
         kv_dtype=FP8,
         kv_scale="per_tensor",
-        launch=DecodeLaunchConfig(
-            block_n=16,
-            num_warps=4,
-            num_stages=2,
-            reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, num_stages=3),
+        launch=_tiles16(
+            reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, num_stages=3)
         ),
     ),
     # The widest reducer tile (all rows and columns, one partial a step) over many partials,
@@ -208,24 +204,14 @@ CASES = {
     "reduce-wide-tile-gqa4": Case(
         (700, 90, 3),
         num_programs=13,
-        launch=DecodeLaunchConfig(
-            block_n=16,
-            num_warps=4,
-            num_stages=2,
-            reduce=ReduceLaunchConfig(block_r=4, block_d=64, slot_block=1),
-        ),
+        launch=_tiles16(reduce=ReduceLaunchConfig(block_r=4, block_d=64, slot_block=1)),
     ),
     # Runs of a record's partials merged by programs of their own, then merged by the last
     # to finish: one sequence of 13 partials in 4 runs of 4, 4, 4 and 1.
     "reduce-runs-one-sequence": Case(
         (900,),
         num_programs=13,
-        launch=DecodeLaunchConfig(
-            block_n=16,
-            num_warps=4,
-            num_stages=2,
-            reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, groups=4),
-        ),
+        launch=_tiles16(reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, groups=4)),
     ),
     # Runs of 4 partials over records of 2 kv heads and 2 query rows a head (rows padded to
     # 16), per-token FP8, without the LSE; the short sequence's records merged whole.
@@ -238,12 +224,7 @@ CASES = {
         kv_dtype=FP8,
         kv_scale="per_token",
         lse=False,
-        launch=DecodeLaunchConfig(
-            block_n=16,
-            num_warps=4,
-            num_stages=2,
-            reduce=ReduceLaunchConfig(block_r=16, block_d=16, slot_block=1, groups=4),
-        ),
+        launch=_tiles16(reduce=ReduceLaunchConfig(block_r=16, block_d=16, slot_block=1, groups=4)),
     ),
     "block-n-128-page16": Case(
         (300, 40),
@@ -383,7 +364,7 @@ def _f32_error(args, kw, qk_fp8):
     """Relative error of one decode into a NaN-poisoned float32 ``out`` with 16-token tiles
     (a tile per page), against the float64 reference."""
     q = args[0]
-    launch = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, qk_fp8=qk_fp8)
+    launch = _tiles16(qk_fp8=qk_fp8)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
     pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
     return rel_error(out, paged_decode_torch(*args, **kw))

@@ -443,6 +443,15 @@ def _check(out, lse, q, cache, lens, valid, window=None, kv="per_tensor"):
             assert bool((out[b] == 0).all()) and bool((lse[b] == float("-inf")).all())
 
 
+def _decode_matches(lens, **options):
+    """Decodes valid ``lens`` (``options`` as :func:`_decode` takes them): no faults, and
+    every sequence matches the reference."""
+    out, lse, faults, q, cache, _ = _decode(lens, **options)
+    assert faults == {}
+    kv, window = options.get("kv", "per_tensor"), options.get("window")
+    _check(out, lse, q, cache, lens, valid=set(range(len(lens))), window=window, kv=kv)
+
+
 # (query heads per kv head, query_len, page_size, form): both forms, several new tokens,
 # gathered tiles (pages shorter than a tile).
 CASES = [
@@ -470,7 +479,7 @@ CASES = [
 )
 def test_matches_reference(gen, group, query_len, page_size, transposed, kv, kv_layout):
     lens = [query_len, 127, 129, 1000, 4097, 0, 256, 8, 65, 63]
-    out, lse, faults, q, cache, _ = _decode(
+    _decode_matches(
         lens,
         group=group,
         query_len=query_len,
@@ -480,8 +489,6 @@ def test_matches_reference(gen, group, query_len, page_size, transposed, kv, kv_
         kv=kv,
         gen=gen,
     )
-    assert faults == {}
-    _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
 
 
 # Other head dims: 64 in both forms with every cache kind, 256 with FP8 KV and at most 16
@@ -505,7 +512,7 @@ HEAD_DIM_CASES = [
 def test_other_head_dims_match_reference(gen, head_dim, group, query_len, page_size, kv, kv_layout):
     lens = [query_len, 127, 129, 1000, 4097, 0, 256, 8, 65, 63]
     for num_programs, partition_size in ((None, None), (6, 128)):  # splits through the reducer
-        out, lse, faults, q, cache, _ = _decode(
+        _decode_matches(
             lens,
             group=group,
             query_len=query_len,
@@ -517,8 +524,6 @@ def test_other_head_dims_match_reference(gen, head_dim, group, query_len, page_s
             head_dim=head_dim,
             gen=gen,
         )
-        assert faults == {}
-        _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
 
 
 @requires_gpu
@@ -551,7 +556,7 @@ def test_split_new_tokens_and_gathered_tiles_through_the_reducer(
 ):
     # Short partitions: the last one of a sequence may end before some rows' causal limit.
     lens = [4097, 129, 1000, 0, 8, 3000, 130]
-    out, lse, faults, q, cache, _ = _decode(
+    _decode_matches(
         lens,
         group=group,
         query_len=query_len,
@@ -561,8 +566,6 @@ def test_split_new_tokens_and_gathered_tiles_through_the_reducer(
         kv=kv,
         gen=gen,
     )
-    assert faults == {}
-    _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
 
 
 @requires_gpu
@@ -570,11 +573,7 @@ def test_split_new_tokens_and_gathered_tiles_through_the_reducer(
 @pytest.mark.parametrize("partition_size", [128, 256, 512])
 def test_split_sequences_through_the_reducer(gen, num_programs, partition_size):
     lens = [4097, 129, 1000, 0, 1, 3000]
-    out, lse, faults, q, cache, _ = _decode(
-        lens, num_programs=num_programs, partition_size=partition_size, gen=gen
-    )
-    assert faults == {}
-    _check(out, lse, q, cache, lens, valid=set(range(len(lens))))
+    _decode_matches(lens, num_programs=num_programs, partition_size=partition_size, gen=gen)
 
 
 @requires_gpu
@@ -583,11 +582,7 @@ def test_split_sequences_through_the_reducer(gen, num_programs, partition_size):
 def test_split_16_bit_caches_at_their_tile(gen, num_programs, partition_size, kv):
     # Partitions of one or four 64-token tiles.
     lens = [4097, 129, 1000, 0, 1, 3000, 64, 65]
-    out, lse, faults, q, cache, _ = _decode(
-        lens, num_programs=num_programs, partition_size=partition_size, kv=kv, gen=gen
-    )
-    assert faults == {}
-    _check(out, lse, q, cache, lens, valid=set(range(len(lens))), kv=kv)
+    _decode_matches(lens, num_programs=num_programs, partition_size=partition_size, kv=kv, gen=gen)
 
 
 @requires_gpu
@@ -606,7 +601,7 @@ def test_sliding_window(gen, group, query_len, page_size, window, kv):
     # Short partitions over few programs: whole works lie below some windows.
     lens = [4097, 129, 1000, 0, 8, 3000, 130]
     for num_programs, partition_size in ((None, None), (6, 128)):
-        out, lse, faults, q, cache, _ = _decode(
+        _decode_matches(
             lens,
             group=group,
             query_len=query_len,
@@ -617,8 +612,6 @@ def test_sliding_window(gen, group, query_len, page_size, window, kv):
             kv=kv,
             gen=gen,
         )
-        assert faults == {}
-        _check(out, lse, q, cache, lens, valid=set(range(len(lens))), window=window, kv=kv)
 
 
 @requires_gpu
