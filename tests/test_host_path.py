@@ -301,3 +301,24 @@ def test_tensor_key_tells_apart_what_kernels_specialise_on():
     assert tensor_key(base)[3] == torch.device("cpu") and tensor_key(None) is None
     with pytest.raises(AttributeError):
         tensor_key([1, 2])
+
+
+def test_every_kernel_takes_its_constexprs_last():
+    """BoundLaunch's compiled handle takes the runtime arguments, then the constexprs in
+    parameter order: true only while every kernel lists its constexprs after the rest."""
+    from pagedattn._kernels.append import _append_kv_kernel
+    from pagedattn._kernels.decode import _decode_kernel
+    from pagedattn._kernels.hopper.kernel import gluon_decode_kernel
+    from pagedattn._kernels.reduce import _reduce_kernel
+    from pagedattn._kernels.schedule import _schedule_invariant_kernel, _schedule_kernel
+
+    kernels = (
+        _decode_kernel, _reduce_kernel, _schedule_kernel, _schedule_invariant_kernel,
+        _append_kv_kernel, gluon_decode_kernel,
+    )  # fmt: skip
+    for kernel in kernels:
+        fn = getattr(kernel, "fn", kernel)
+        kinds = [
+            "constexpr" in str(p.annotation) for p in inspect.signature(fn).parameters.values()
+        ]
+        assert kinds == sorted(kinds) and any(kinds), fn.__name__
