@@ -43,30 +43,15 @@ import numpy as np
 import torch
 
 # isort: split
-from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
 
 from pagedattn.integrations import transformers as pagedattn_transformers
+from pagedattn.testing import LLAMA_SIZES, random_llama
 
 SDPA = "paged|sdpa"
-MODEL_SIZES = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=32000,
-)
+VOCAB = 32000  # the model: pagedattn.testing.random_llama's "1b" (~1.1B parameters)
 # tests/test_transformers.py's model and prompts: greedy picks stand clear of the runner-up.
-TINY_SIZES = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=64,
-)
+TINY_VOCAB = 64
 TINY_PROMPT_LENGTHS = (5, 12, 20, 37, 3)
 TINY_SEED = 13
 
@@ -94,19 +79,9 @@ class Result:
 
 
 def make_model(tiny: bool, device: torch.device, seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        **(TINY_SIZES if tiny else MODEL_SIZES),
-        max_position_embeddings=4096,
-        # Wider than the default 0.02, so that a random model's next token stands clear of the
-        # runner-up (greedy tokens then compare attention implementations, not near ties).
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    if tiny:  # as the test builds it, for the same weights
-        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    with torch.device(device):
-        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    if tiny:  # as the test builds it, for the same weights (drawn on the CPU)
+        return random_llama("tiny", vocab_size=TINY_VOCAB, seed=seed)
+    return random_llama("1b", vocab_size=VOCAB, seed=seed, device=device)
 
 
 def make_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
@@ -289,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup_tokens = args.warmup_tokens or 0
         args.max_batch_tokens = args.max_batch_tokens or 16
         args.max_requests_per_batch = args.max_requests_per_batch or 8
-        num_programs = TINY_SIZES["num_key_value_heads"]  # the interpreter runs them in turn
+        # The interpreter runs the programs in turn: one a kv head.
+        num_programs = LLAMA_SIZES["tiny"]["num_key_value_heads"]
     else:
         if not torch.cuda.is_available():
             parser.error("needs a CUDA GPU (or --tiny)")

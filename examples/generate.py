@@ -39,9 +39,10 @@ if "--tiny" in sys.argv[1:]:
 import torch
 
 import pagedattn
+from pagedattn.testing import random_llama
 
 # isort: split
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PROMPTS = ["The paged cache", "Attention is all", "Once upon a time, in a land far away"]
@@ -160,23 +161,11 @@ def make_model(args, device):
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
     else:
-        if args.tiny:
-            sizes = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2)
-            sizes.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-        else:
-            sizes = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8)
-            sizes.update(num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
-        config = LlamaConfig(
-            **sizes,
-            head_dim=64,
-            max_position_embeddings=4096,
-            # Wider than the default 0.02, so that a random model's next token stands clear of
-            # the runner-up (greedy tokens then compare attention implementations, not ties).
-            initializer_range=0.15,
-            tie_word_embeddings=False,
+        model = random_llama(
+            "tiny" if args.tiny else "small",
+            vocab_size=512 if args.tiny else 32000,
+            seed=args.seed,
         )
-        torch.manual_seed(args.seed)
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
     head_dim = getattr(model.config, "head_dim", None) or (
         model.config.hidden_size // model.config.num_attention_heads
     )

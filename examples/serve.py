@@ -50,11 +50,10 @@ from transformers import (
     AutoModelForCausalLM,
     ContinuousBatchingConfig,
     GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
 )
 
 from pagedattn.integrations import transformers as pagedattn_transformers
+from pagedattn.testing import random_llama
 
 PROMPT_LENGTHS = (5, 12, 20, 37, 3, 9)
 SEED = 13  # weights and prompts whose greedy picks stand clear of the runner-up (see the test)
@@ -62,23 +61,8 @@ SEED = 13  # weights and prompts whose greedy picks stand clear of the runner-up
 
 def save_random_checkpoint(folder: str, *, tiny: bool, seed: int) -> None:
     """A random-weight Llama (bf16) saved with ``save_pretrained``."""
-    if tiny:
-        sizes = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2)
-        sizes.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    else:
-        sizes = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8)
-        sizes.update(num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
-    config = LlamaConfig(
-        **sizes,
-        head_dim=64,
-        max_position_embeddings=4096,
-        # Wider than the default 0.02, so that a random model's next token stands clear of the
-        # runner-up (greedy tokens then compare attention implementations, not ties).
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    model = random_llama("tiny" if tiny else "small", vocab_size=64 if tiny else 32000, seed=seed)
+    model.save_pretrained(folder)
 
 
 def batching_config(args) -> ContinuousBatchingConfig:

@@ -43,24 +43,9 @@ SEED = 13
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pagedattn.testing import random_llama
 
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        # Wider than the default 0.02: a random model's next token then stands clear of the
-        # runner-up, so greedy tokens compare attention implementations, not near ties.
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(SEED)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return random_llama("tiny", vocab_size=VOCAB, seed=SEED, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,13 @@ and :func:`check_append` runs ``append_kv`` into caches that sit inside a larger
 buffer and checks every byte against ``append_kv_torch``. :func:`check_case` does both. The
 test suite runs a few hundred cases through Triton's interpreter; ``scripts/fuzz.py`` runs many
 more on the GPU. :func:`random_step`, :func:`reference_decode` and :func:`fault_codes` are the
-pieces the tests' own steps are built and checked from.
+pieces the tests' own steps are built and checked from; :func:`random_llama` is the
+random-weight model the transformers examples, tests and benchmarks run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -731,3 +733,42 @@ def check_append(case: Case) -> None:
             want = want.clamp(-limit, limit)
         err = rel_error(dequantize_kv(got, scale), want) if bool(want.any()) else 0.0
         assert err <= APPEND_FP8_BOUND, f"append_kv: rows read back with error {err:.2e} ({where})"
+
+
+# Random-weight Llama models (transformers) by size: head_dim 64 everywhere.
+LLAMA_SIZES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=4),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8),
+}  # fmt: skip
+
+
+def random_llama(
+    size: str,
+    *,
+    vocab_size: int,
+    seed: int,
+    max_position_embeddings: int = 4096,
+    device: torch.device | str | None = None,
+):
+    """A random-weight transformers ``LlamaForCausalLM`` of a :data:`LLAMA_SIZES` size, bf16,
+    in eval mode, its weights drawn after ``torch.manual_seed(seed)`` (on ``device``, else on
+    the CPU). Weights wider than transformers' default (``initializer_range`` 0.15, not 0.02):
+    a random model's next token then stands clear of the runner-up, so greedy tokens compare
+    attention implementations, not near ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **LLAMA_SIZES[size],
+        head_dim=64,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
