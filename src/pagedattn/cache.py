@@ -22,9 +22,8 @@ from . import checks
 from ._kernels.append import _append_kv_kernel
 from ._kernels.common import interpreting
 from .backend import through_ops
-from .checks import tensor_key
+from .checks import remember, tensor_key
 from .launch import BoundLaunch, cache_strides, next_power_of_2, scale_strides
-from .plan import MAX_SIGNATURES
 
 __all__ = [
     "FP8_DTYPE",
@@ -432,10 +431,11 @@ def _table_width(max_pages_per_seq: int | None, needed: int) -> int:
 
 # -- the step's cache write ------------------------------------------------------------------
 
-# FP8 formats append_kv writes: (largest finite value, exponent bias, has a negative zero).
+# FP8 formats append_kv writes: (exponent bias, has a negative zero); the largest finite
+# value is FP8_MAXES'.
 APPEND_FP8_FORMATS = {
-    torch.float8_e4m3fn: (448.0, 7, True),
-    torch.float8_e4m3fnuz: (240.0, 8, False),  # AMD's: 0x80 is its NaN
+    torch.float8_e4m3fn: (7, True),
+    torch.float8_e4m3fnuz: (8, False),  # AMD's: 0x80 is its NaN
 }
 # Elements of one K (or V) tile a program writes at most: 16 heads of head_dim 256.
 _APPEND_TILE = 4096
@@ -539,10 +539,7 @@ def append_kv(
     if step is None:
         arguments = (k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale)
         step = _append_step(*arguments, debug)
-        if key is not None:
-            if len(_APPEND_STEPS) >= MAX_SIGNATURES:
-                _APPEND_STEPS.clear()
-            _APPEND_STEPS[key] = step
+        remember(_APPEND_STEPS, key, step)
     launch = step.launch
     if launch is not None:
         if step.byte_views:
@@ -594,7 +591,8 @@ def _append_step(
     )
     num_slots = shape.num_pages * shape.page_size
     fp8 = kv_scale is not None
-    fp8_max, exponent_bias, negative_zero = APPEND_FP8_FORMATS.get(k_cache.dtype, (0.0, 0, True))
+    fp8_max = FP8_MAXES.get(k_cache.dtype, 0.0)
+    exponent_bias, negative_zero = APPEND_FP8_FORMATS.get(k_cache.dtype, (0, True))
 
     launch = None
     if shape.num_tokens and shape.num_kv_heads and num_slots:

@@ -90,6 +90,20 @@ def tensor_key(x) -> tuple | None:
     return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0
 
 
+# Call signatures each public call keeps prepared before it forgets them all (an engine meets
+# one per batch size and shape).
+MAX_SIGNATURES = 4096
+
+
+def remember(steps: dict, key: tuple | None, step) -> None:
+    """Keeps a call's prepared ``step`` under its signature ``key`` (None: a call that could not
+    be keyed, kept nowhere), forgetting every kept one once ``MAX_SIGNATURES`` are."""
+    if key is not None:
+        if len(steps) >= MAX_SIGNATURES:
+            steps.clear()
+        steps[key] = step
+
+
 def plain_number(x):
     """A numeric scalar of another type (``numpy.float32``, ``numpy.int64``, ...) as the Python
     int or float it stands for, so checks and kernels see plain numbers; bools and anything
@@ -499,9 +513,6 @@ def check_plan_matches(plan, shape: DecodeShape, device: torch.device) -> None:
         _fail(ValueError, "plan", f"device {device} (q's)", plan.device)
 
 
-# Cache dtypes :func:`pagedattn.append_kv` writes: 16-bit (stored as is) and FP8 (quantised).
-APPEND_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-APPEND_KV_DTYPES = (torch.bfloat16, torch.float16, *APPEND_FP8_DTYPES)
 SLOT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -533,8 +544,9 @@ def check_append_args(
     for name, x in (("k", k), ("v", v)):
         if x.shape[2] > 1 and x.stride(2) != 1:
             _fail(ValueError, name, "a unit stride on head_dim (the last dim)", x.stride())
-    _tensor("k_cache", k_cache, 4, APPEND_KV_DTYPES)
-    _tensor("v_cache", v_cache, 4, APPEND_KV_DTYPES)
+    # The cache dtypes decode reads: 16-bit (stored as is) and FP8 (quantised).
+    _tensor("k_cache", k_cache, 4, KV_DTYPES)
+    _tensor("v_cache", v_cache, 4, KV_DTYPES)
     if v_cache.dtype != k_cache.dtype:
         _fail(TypeError, "v_cache", f"dtype {k_cache.dtype} (k_cache's)", v_cache.dtype)
     if tuple(v_cache.shape) != tuple(k_cache.shape):
@@ -583,7 +595,7 @@ def check_append_args(
             f"stride {slot_mapping.stride(0)}",
         )
 
-    if k_cache.dtype not in APPEND_FP8_DTYPES:
+    if k_cache.dtype not in FP8_DTYPES:
         if k_cache.dtype != k.dtype:
             _fail(TypeError, "k_cache", f"dtype {k.dtype} (k's) or an FP8 dtype", k_cache.dtype)
         if kv_scale is not None:

@@ -23,10 +23,10 @@ from .backend import (
     through_ops,
     using_backend,
 )
-from .checks import tensor_key
+from .checks import remember, tensor_key
 from .families.portable import PortableStep
 from .launch import DecodeLaunchConfig
-from .plan import MAX_SIGNATURES, DecodePlan, plan_decode
+from .plan import DecodePlan, plan_decode
 
 # A profiling buffer the decode kernel fills with clock stamps (see ``tracing``).
 _TRACE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
@@ -296,10 +296,7 @@ def paged_decode(
             backend=backend,
             trace=trace,
         )
-        if key is not None:
-            if len(_DECODE_STEPS) >= MAX_SIGNATURES:
-                _DECODE_STEPS.clear()
-            _DECODE_STEPS[key] = step
+        remember(_DECODE_STEPS, key, step)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = None

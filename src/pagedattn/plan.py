@@ -71,7 +71,7 @@ from .backend import (
     preferred_family,
     through_ops,
 )
-from .checks import tensor_key
+from .checks import remember, tensor_key
 from .launch import (
     DEFAULT_PARTITION,
     REDUCE_RUN_RECORDS,
@@ -587,10 +587,7 @@ def plan_decode(
             kv_scale, num_programs, partition_size, reuse, max_seq_len, schedule_config,
             query_start_loc, batch_invariant,
         )  # fmt: skip
-        if key is not None:
-            if len(_PLAN_STEPS) >= MAX_SIGNATURES:
-                _PLAN_STEPS.clear()
-            _PLAN_STEPS[key] = step
+        remember(_PLAN_STEPS, key, step)
     plan = reuse if reuse is not None else allocate_plan(**step.sizes)
     step.launch(
         seq_lens,
@@ -603,9 +600,6 @@ def plan_decode(
 
 # Prepared scheduler launches by call signature (see ``plan_decode``'s fast path).
 _PLAN_STEPS: dict[tuple, PlanStep] = {}
-# Call signatures kept per entry point before the oldest are forgotten (an engine meets one
-# per batch size and shape).
-MAX_SIGNATURES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
