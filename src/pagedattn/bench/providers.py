@@ -45,13 +45,13 @@ from typing import ClassVar
 import torch
 
 import pagedattn
+from pagedattn.cache import FP8_MAX
 from pagedattn.reference import paged_decode_torch
 
 from .cases import KV_DTYPES, Q_DTYPES, Case
 from .timing import host_time_us
 
 PLAN_SAMPLES = 7  # host-time samples of a plan() call; the median is reported
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # FlashInfer's split-KV partial results live in this buffer; its prefill path under CUDA graphs
 # overflowed 256 MB at batch >= 16 and worked with 8 GiB (PEERS.md).
 FLASHINFER_WORKSPACE_BYTES = 8 * 2**30
