@@ -82,7 +82,8 @@ if [[ $MODE == tests || $MODE == all ]]; then
   # Compilation dominates: several workers share the GPU (pytest-xdist, where installed).
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-6}")
-  python3 -m pytest -q -p no:cacheprovider "${workers[@]}" --durations=15 tests \
+  timeout "${TESTS_SECONDS:-900}" python3 -m pytest -q -p no:cacheprovider "${workers[@]}" \
+    --durations=15 tests \
     >"$LOGS/pytest.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -20
   summary+=("pytest: $(tail -1 "$LOGS/pytest.log")")
