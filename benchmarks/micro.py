@@ -25,14 +25,13 @@ import functools
 import itertools
 import math
 import os
-import sys
 import unittest.mock
 
-if "--smoke" in sys.argv[1:]:
-    # A smoke run is on the CPU even beside a GPU: Triton picks its interpreter at import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU (a --smoke run): Triton's interpreter, chosen before Triton's import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pagedattn
 from pagedattn._cli_args import int_list
@@ -508,12 +507,14 @@ def append(args: argparse.Namespace) -> None:
     ``pagedattn.reference.append_kv_torch``, then timed as CUDA-graph replays of one call per
     input copy (copies of ``k``, ``v`` and the slots, disjoint slots of one cache, enough
     copies to move 256 MB a replay), per call. Bytes: :func:`append_bytes`. ``--smoke``: tiny
-    sizes on the CPU through Triton's interpreter, the check alone meaningful (the time is one
-    host-timed call, no ceiling)."""
-    device = torch.device("cpu" if args.smoke else "cuda")
+    sizes (on the CPU through Triton's interpreter where there is no GPU), the check alone
+    meaningful (the time is one host-timed call, no ceiling)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.smoke:
+        raise SystemExit("append: needs a CUDA GPU (or --smoke)")
     if args.smoke:
         copy_gbps = None
-        print("smoke run: CPU through Triton's interpreter; times are meaningless")
+        print(f"smoke run on {device}: tiny sizes; times are meaningless")
     else:
         copy_gbps = measure_copy_gbps(device=device)
         torch.cuda.empty_cache()

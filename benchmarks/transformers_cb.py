@@ -20,7 +20,7 @@ where they first part (request, position, and transformers' own top-two logit ma
 a near tie lets rounding decide).
 
     python benchmarks/transformers_cb.py                 # on a CUDA GPU
-    python benchmarks/transformers_cb.py --tiny          # CPU, Triton's interpreter, seconds
+    python benchmarks/transformers_cb.py --tiny          # tests' model; seconds on the CPU
 
 Run from the repository root with ``PYTHONPATH=$PWD/src``.
 """
@@ -35,12 +35,12 @@ import statistics
 import sys
 import time
 
-if "--tiny" in sys.argv[1:]:
-    # --tiny runs on the CPU even beside a GPU: Triton must pick its interpreter at import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import torch
+
+if not torch.cuda.is_available():
+    # --tiny without a GPU: Triton's interpreter, which must be chosen before Triton's import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # isort: split
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
@@ -80,7 +80,7 @@ class Result:
 
 def make_model(tiny: bool, device: torch.device, seed: int) -> LlamaForCausalLM:
     if tiny:  # as the test builds it, for the same weights (drawn on the CPU)
-        return random_llama("tiny", vocab_size=TINY_VOCAB, seed=seed)
+        return random_llama("tiny", vocab_size=TINY_VOCAB, seed=seed).to(device)
     return random_llama("1b", vocab_size=VOCAB, seed=seed, device=device)
 
 
@@ -231,7 +231,9 @@ def report(results: list[Result], prompts, model) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="tests' 2-layer model, CPU")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tests' 2-layer model (the GPU if any, else the CPU)"
+    )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument(
         "--prompt-lens", default="16:512", help="low:high prompt tokens, both included"
@@ -257,15 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.tiny:
-        device = torch.device("cpu")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         lengths, seed = list(TINY_PROMPT_LENGTHS), TINY_SEED
         args.new_tokens = args.new_tokens or 5
         args.page_size = args.page_size or 16
         args.warmup_tokens = args.warmup_tokens or 0
         args.max_batch_tokens = args.max_batch_tokens or 16
         args.max_requests_per_batch = args.max_requests_per_batch or 8
-        # The interpreter runs the programs in turn: one a kv head.
-        num_programs = LLAMA_SIZES["tiny"]["num_key_value_heads"]
+        # The interpreter runs the programs in turn: one a kv head there.
+        num_programs = LLAMA_SIZES["tiny"]["num_key_value_heads"] if device.type == "cpu" else None
     else:
         if not torch.cuda.is_available():
             parser.error("needs a CUDA GPU (or --tiny)")

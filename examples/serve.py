@@ -16,7 +16,7 @@ prefill chunks on transformers' own paged attention.
 prompts with transformers' own attention (``paged|sdpa``) on the same weights and compares
 the tokens; the exit code is 0 when every answer matches.
 
-    python examples/serve.py --tiny --check    # random tiny Llama, CPU (Triton's interpreter)
+    python examples/serve.py --tiny --check    # random tiny Llama (no GPU: Triton's interpreter)
     python examples/serve.py --model PATH --port 8000
     curl -s localhost:8000/generate -d '{"input_ids": [1, 2, 3], "max_new_tokens": 8}'
 
@@ -38,11 +38,11 @@ import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-if "--tiny" in sys.argv[1:]:
-    # --tiny runs on the CPU even beside a GPU: Triton must pick its interpreter at import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's interpreter on the CPU, which must be chosen before Triton's import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # isort: split
 from transformers import (
@@ -212,7 +212,7 @@ def check(model, server: Server, args) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a local checkpoint (default: random weights)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model")
     parser.add_argument("--check", action="store_true", help="run the client and compare")
     parser.add_argument("--port", type=int, default=0, help="default: a free port")
     parser.add_argument("--max-new-tokens", type=int, default=5)
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         "CPU one program per kv head, as the interpreter runs programs one after another)",
     )
     args = parser.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         # Small enough for the interpreter; 16 tokens a step chunks the longer prompts, so
         # steps mix prefill chunks with other requests' decode rows.

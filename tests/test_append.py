@@ -217,7 +217,9 @@ def test_decode_reads_what_append_wrote(case, gen):
 
     keys = torch.randn(sum(lens), heads, head_dim, generator=gen, device=DEVICE).to(BF16)
     values = torch.randn(sum(lens), heads, head_dim, generator=gen, device=DEVICE).to(BF16)
-    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=DEVICE), torch.tensor(lens))
+    seq_of = torch.repeat_interleave(
+        torch.arange(len(lens), device=DEVICE), torch.tensor(lens, device=DEVICE)
+    )
     position = torch.cat([torch.arange(n, device=DEVICE) for n in lens])
     slots = table[seq_of, position // page_size].long() * page_size + position % page_size
     last = torch.tensor(lens, device=DEVICE).cumsum(0) - 1
@@ -292,7 +294,8 @@ def test_empty_writes(gen):
     shape = Shape(0, 2, 64, 3, 4, torch.int64, 0, False)
     k, v = _new_rows(shape, BF16, gen)
     k_cache, v_cache, *_ = _caches(shape, BF16, None, "NHD", gen)
-    pagedattn.append_kv(k, v, k_cache, v_cache, torch.empty(0, dtype=torch.int64), debug=True)
+    no_slots = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    pagedattn.append_kv(k, v, k_cache, v_cache, no_slots, debug=True)
     empty = k_cache[:0]
     k, v = _new_rows(dataclasses.replace(shape, num_tokens=2), BF16, gen)
     slots = torch.tensor([-1, 0], device=DEVICE)
@@ -447,7 +450,7 @@ def test_fp8_rounding_is_torchs(fp8, gen):
     largest = torch.finfo(fp8).max
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(BF16)
     every = torch.where(every.float().isfinite(), every, torch.zeros_like(every))
-    random = (torch.randn(2**16, generator=gen) * 300).to(BF16)
+    random = (torch.randn(2**16, generator=gen, device=DEVICE) * 300).to(BF16)
     for x, scale in ((every, 1.0), (random, 0.7368421)):
         k = x.reshape(16, 16, 256).to(DEVICE)
         k_cache = torch.empty(16, 1, 16, 256, dtype=fp8, device=DEVICE)

@@ -79,6 +79,8 @@ def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, mon
     launched = []
 
     class Kernel:
+        fn = portable._decode_kernel.fn  # its parameters, for the launch's constexpr order
+
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launched.append(kwargs)
 

@@ -270,10 +270,11 @@ from pagedattn.testing import random_step
 fp8 = torch.float8_e4m3fn
 shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
 shape.update(kv_dtype=fp8, kv_scale="per_token")
-gen = torch.Generator().manual_seed(0)
-cache, q = random_step([5, 9], **shape, device="cpu", generator=gen)
-k = torch.randn(2, 2, 64).bfloat16()
-slots = torch.tensor([4, 12])
+device = "cuda" if torch.cuda.is_available() else "cpu"
+gen = torch.Generator(device).manual_seed(0)
+cache, q = random_step([5, 9], **shape, device=device, generator=gen)
+k = torch.randn(2, 2, 64, device=device).bfloat16()
+slots = torch.tensor([4, 12], device=device)
 def step(q, k, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
     plan = pagedattn.plan_decode(seq_lens, **shape, num_programs=4, partition_size=16)
     scales = dict(k_scale=k_scale, v_scale=v_scale)

@@ -2,13 +2,15 @@
 (``pagedattn.integrations.transformers``): a tiny random Llama (GQA, two layers) generates
 greedily with ``generate_batch`` over transformers' own paged cache and gives the tokens of
 transformers' own paged attention (``paged|sdpa``); every row of at most eight new tokens was
-served by ``pagedattn.paged_decode``. Through Triton's interpreter on the CPU."""
+served by ``pagedattn.paged_decode``. On the GPU where there is one, else through Triton's
+interpreter on the CPU."""
 
 import dataclasses
 import itertools
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import pagedattn
 
@@ -45,7 +47,8 @@ SEED = 13
 def model():
     from pagedattn.testing import random_llama
 
-    return random_llama("tiny", vocab_size=VOCAB, seed=SEED, max_position_embeddings=256)
+    # Drawn on the CPU, then moved: the same weights on either device.
+    return random_llama("tiny", vocab_size=VOCAB, seed=SEED, max_position_embeddings=256).to(DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -553,7 +553,7 @@ class BoundLaunch:
 
     def __init__(self, kernel, grid: tuple, *, num_warps: int, launch_pdl: bool = False, **named):
         self.kernel = kernel
-        self.grid = tuple(grid)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled handle takes three
         self.options = {k: named.pop(k) for k in ("num_stages", "maxnreg") if k in named}
         self.options["num_warps"] = num_warps
         self.options["launch_pdl"] = launch_pdl
