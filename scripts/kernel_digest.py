@@ -12,8 +12,8 @@ arguments are specialised as a launch does (1 as a constant, multiples of 16 as 
 16). Line info is left out of the PTX, so that moving code within the source changes no digest.
 
 The Hopper (Gluon) kernel's variants, named ``gluon-*``, are those its CPU build tests build
-(``tests/test_gluon.py``), through the same ``compile_sm90a``, plus trace stamps, a PDL launch
-and the tunings those tests leave at their defaults.
+(``pagedattn.testing.HOPPER_BUILDS``), through the same ``compile_sm90a``, plus trace stamps, a
+PDL launch and the tunings those tests leave at their defaults.
 """
 
 from __future__ import annotations
@@ -23,13 +23,16 @@ import contextlib
 import dataclasses
 import hashlib
 import io
-import itertools
 import os
 import re
 import sys
 import tempfile
 import unittest.mock
 from concurrent.futures import ProcessPoolExecutor
+
+import triton  # before pagedattn: builds, not the interpreter, on a machine without a GPU
+
+from pagedattn.testing import HOPPER_BUILDS
 
 NUM_KV_HEADS = 8
 PARTITION = 256  # tokens per partition (the default plan's largest)
@@ -266,7 +269,6 @@ def _build(v: Variant, target=None):
 
 
 def digest(v: Variant) -> str:
-    import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
 
@@ -330,54 +332,7 @@ def _hopper_variant(pdl: bool = False, **build) -> HopperVariant:
 
 
 HOPPER_VARIANTS = [
-    # Those of tests/test_gluon.py's CPU build tests (VARIANTS there), in its order.
-    *(
-        _hopper_variant(group=g, scale_mode=m, write_lse=lse)
-        for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
-    ),
-    *(
-        _hopper_variant(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True)
-        for (g, n, p), m in itertools.product(
-            ((4, 4, 1024), (16, 4, 1024), (8, 1, 16), (4, 2, 16), (16, 4, 16), (32, 1, 1024)),
-            (1, 2),
-        )
-    ),
-    _hopper_variant(group=8, page_size=16, window=True, write_lse=True),
-    _hopper_variant(group=16, query_len=4, window=True, scale_mode=2, write_lse=True),
-    *(
-        _hopper_variant(group=g, query_len=n, page_size=p, kv_dtype=t, scale_mode=0, write_lse=True)
-        for g, n, p, t in (
-            (1, 1, 1024, "bfloat16"),
-            (8, 1, 1024, "bfloat16"),
-            (16, 1, 1024, "bfloat16"),
-            (16, 4, 1024, "bfloat16"),
-            (32, 1, 1024, "bfloat16"),
-            (8, 1, 16, "bfloat16"),
-            (8, 1, 16, "float16"),
-            (16, 4, 1024, "float16"),
-        )
-    ),
-    _hopper_variant(
-        group=4, query_len=4, page_size=16, kv_dtype="bfloat16", scale_mode=0, window=True
-    ),
-    *(
-        _hopper_variant(
-            group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True, head_dim=d, **kv
-        )
-        for g, n, p, m, d, kv in (
-            (16, 1, 1024, 1, 64, {}),
-            (16, 4, 16, 2, 64, {}),
-            (8, 1, 16, 1, 64, {}),
-            (16, 4, 1024, 1, 64, {}),
-            (8, 1, 1024, 0, 64, dict(kv_dtype="bfloat16")),
-            (16, 4, 16, 0, 64, dict(kv_dtype="bfloat16")),
-            (16, 1, 1024, 1, 256, {}),
-            (16, 1, 1024, 2, 256, {}),
-            (8, 1, 16, 1, 256, {}),
-            (8, 1, 16, 2, 256, {}),
-        )
-    ),
-    _hopper_variant(group=8, page_size=16, window=True, write_lse=True, head_dim=256),
+    *(_hopper_variant(**build) for build in HOPPER_BUILDS),  # the CPU build tests' builds
     # Launch settings and tunings the tests do not build: trace stamps, PDL (a launch option
     # only: the kernel always waits for the grid before it), the converter warps' tunings,
     # three stages, the rows form forced on few rows.
@@ -394,7 +349,6 @@ HOPPER_VARIANTS = [
 
 def hopper_digest(v: HopperVariant) -> str:
     """One Hopper variant's line, built by ``compile_sm90a`` (what the CPU build tests build)."""
-    import triton
     from triton import knobs
 
     from pagedattn.families import hopper
@@ -609,7 +563,6 @@ def amd_digest(job: tuple) -> tuple[str, bool]:
     """One AMD build's line and whether it passed: name, sha256 of the AMDGCN assembly, VGPRs
     (arch + accumulation), scratch spills, shared memory (LDS) and the target's budget; a
     build that fails, or needs more LDS than the target has, is marked FAILED."""
-    import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
 

@@ -9,7 +9,6 @@ once. The GPU tests run ``gluon_paged_decode`` against the float64 reference.
 
 import fcntl
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -26,7 +25,7 @@ import pagedattn
 from pagedattn._kernels import records
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.testing import fault_codes, random_step, reference_decode
+from pagedattn.testing import HOPPER_BUILDS, fault_codes, random_step, reference_decode
 
 GLUON_MISSING = importlib.util.find_spec("triton.experimental.gluon") is None
 WRONG_TRITON = not triton.__version__.startswith("3.6.")
@@ -44,58 +43,7 @@ needs_gluon_build = pytest.mark.skipif(
 SHARED_LIMIT = 227 * 1024
 TWO_PER_SM = 228 * 1024 // 2 - 1024
 SPILL_BYTES = 32
-VARIANTS = (
-    [
-        dict(group=g, scale_mode=m, write_lse=lse)
-        for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
-    ]
-    + [
-        # Several new tokens, gathered tiles out of short pages, the form with 64 query rows.
-        dict(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True)
-        for (g, n, p), m in itertools.product(
-            ((4, 4, 1024), (16, 4, 1024), (8, 1, 16), (4, 2, 16), (16, 4, 16), (32, 1, 1024)),
-            (1, 2),
-        )
-    ]
-    + [
-        # A sliding window in each form.
-        dict(group=8, page_size=16, window=True, write_lse=True),
-        dict(group=16, query_len=4, window=True, scale_mode=2, write_lse=True),
-    ]
-    + [
-        # 16-bit caches: both forms, gathered tiles, a window (fp16 differs from bf16 only in
-        # its element type: one build a form).
-        dict(group=g, query_len=n, page_size=p, kv_dtype=t, scale_mode=0, write_lse=True)
-        for g, n, p, t in (
-            (1, 1, 1024, "bfloat16"),
-            (8, 1, 1024, "bfloat16"),
-            (16, 1, 1024, "bfloat16"),
-            (16, 4, 1024, "bfloat16"),
-            (32, 1, 1024, "bfloat16"),
-            (8, 1, 16, "bfloat16"),
-            (8, 1, 16, "float16"),
-            (16, 4, 1024, "float16"),
-        )
-    ]
-    + [dict(group=4, query_len=4, page_size=16, kv_dtype="bfloat16", scale_mode=0, window=True)]
-    + [
-        # head_dim 64 (both forms, FP8 and bf16) and 256 (FP8, the transposed form).
-        dict(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True, head_dim=d, **kv)
-        for g, n, p, m, d, kv in (
-            (16, 1, 1024, 1, 64, {}),
-            (16, 4, 16, 2, 64, {}),
-            (8, 1, 16, 1, 64, {}),
-            (16, 4, 1024, 1, 64, {}),
-            (8, 1, 1024, 0, 64, dict(kv_dtype="bfloat16")),
-            (16, 4, 16, 0, 64, dict(kv_dtype="bfloat16")),
-            (16, 1, 1024, 1, 256, {}),
-            (16, 1, 1024, 2, 256, {}),
-            (8, 1, 16, 1, 256, {}),
-            (8, 1, 16, 2, 256, {}),
-        )
-    ]
-    + [dict(group=8, page_size=16, window=True, write_lse=True, head_dim=256)]
-)
+VARIANTS = HOPPER_BUILDS
 
 _BUILD = r"""
 import json, os, re, subprocess, sys, tempfile

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import random
 import re
@@ -733,6 +734,66 @@ def check_append(case: Case) -> None:
             want = want.clamp(-limit, limit)
         err = rel_error(dequantize_kv(got, scale), want) if bool(want.any()) else 0.0
         assert err <= APPEND_FP8_BOUND, f"append_kv: rows read back with error {err:.2e} ({where})"
+
+
+# -- Hopper kernel builds ----------------------------------------------------------------------
+
+# ``families.hopper.compile_sm90a``'s keyword arguments for builds that between them cover each
+# form of the Hopper kernel (transposed and rows MMAs, FP8 per tensor and per token, 16-bit
+# caches, gathered tiles of short pages, head_dim 64/128/256, windows, the LSE output): the
+# builds the CPU build tests compile, and the first of ``scripts/kernel_digest.py``'s digests.
+HOPPER_BUILDS = (
+    [
+        dict(group=g, scale_mode=m, write_lse=lse)
+        for g, m, lse in itertools.product((1, 8, 16), (1, 2), (False, True))
+    ]
+    + [
+        # Several new tokens, gathered tiles out of short pages, the form with 64 query rows.
+        dict(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True)
+        for (g, n, p), m in itertools.product(
+            ((4, 4, 1024), (16, 4, 1024), (8, 1, 16), (4, 2, 16), (16, 4, 16), (32, 1, 1024)),
+            (1, 2),
+        )
+    ]
+    + [
+        # A sliding window in each form.
+        dict(group=8, page_size=16, window=True, write_lse=True),
+        dict(group=16, query_len=4, window=True, scale_mode=2, write_lse=True),
+    ]
+    + [
+        # 16-bit caches: both forms, gathered tiles, a window (fp16 differs from bf16 only in
+        # its element type: one build a form).
+        dict(group=g, query_len=n, page_size=p, kv_dtype=t, scale_mode=0, write_lse=True)
+        for g, n, p, t in (
+            (1, 1, 1024, "bfloat16"),
+            (8, 1, 1024, "bfloat16"),
+            (16, 1, 1024, "bfloat16"),
+            (16, 4, 1024, "bfloat16"),
+            (32, 1, 1024, "bfloat16"),
+            (8, 1, 16, "bfloat16"),
+            (8, 1, 16, "float16"),
+            (16, 4, 1024, "float16"),
+        )
+    ]
+    + [dict(group=4, query_len=4, page_size=16, kv_dtype="bfloat16", scale_mode=0, window=True)]
+    + [
+        # head_dim 64 (both forms, FP8 and bf16) and 256 (FP8, the transposed form).
+        dict(group=g, query_len=n, page_size=p, scale_mode=m, write_lse=True, head_dim=d, **kv)
+        for g, n, p, m, d, kv in (
+            (16, 1, 1024, 1, 64, {}),
+            (16, 4, 16, 2, 64, {}),
+            (8, 1, 16, 1, 64, {}),
+            (16, 4, 1024, 1, 64, {}),
+            (8, 1, 1024, 0, 64, dict(kv_dtype="bfloat16")),
+            (16, 4, 16, 0, 64, dict(kv_dtype="bfloat16")),
+            (16, 1, 1024, 1, 256, {}),
+            (16, 1, 1024, 2, 256, {}),
+            (8, 1, 16, 1, 256, {}),
+            (8, 1, 16, 2, 256, {}),
+        )
+    ]
+    + [dict(group=8, page_size=16, window=True, write_lse=True, head_dim=256)]
+)
 
 
 # Random-weight Llama models (transformers) by size: head_dim 64 everywhere.
