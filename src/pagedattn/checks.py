@@ -117,6 +117,21 @@ def _fail(cls, name: str, expected: str, got) -> None:
     raise cls(f"{name}: expected {expected}, got {got}")
 
 
+def _on_device(anchor: str, device: torch.device, **tensors: torch.Tensor) -> None:
+    """Each of ``tensors`` (by name) on ``device``, the ``anchor`` argument's."""
+    for name, x in tensors.items():
+        if x.device != device:
+            _fail(ValueError, name, f"device {device} ({anchor}'s)", x.device)
+
+
+def cache_dims(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
+    """``(num_pages, page_size, num_kv_heads, head_dim)`` of a 4-D cache in ``kv_layout``."""
+    if kv_layout == "NHD":
+        return tuple(cache.shape)
+    num_pages, num_kv_heads, page_size, head_dim = cache.shape
+    return num_pages, page_size, num_kv_heads, head_dim
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -356,19 +371,10 @@ def check_decode_args(
             k_cache.dtype,
         )
     _tensor("block_table", block_table, 2, (torch.int32,))
-    for name, t in (
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-    ):
-        if t.device != q.device:
-            _fail(ValueError, name, f"device {q.device} (q's)", t.device)
+    _on_device("q", q.device, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+               seq_lens=seq_lens)  # fmt: skip
 
-    if kv_layout == "NHD":
-        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-    else:
-        num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
+    num_pages, page_size, num_kv_heads, head_dim = cache_dims(k_cache, kv_layout)
     num_tokens, num_q_heads, q_head_dim = q.shape
     if q_head_dim != head_dim:
         _fail(ValueError, "q", f"head_dim {head_dim} (the cache's)", q_head_dim)
@@ -452,8 +458,7 @@ def check_decode_args(
             _fail(
                 ValueError, "sinks", "a contiguous tensor (stride 1)", f"stride {sinks.stride(0)}"
             )
-        if sinks.device != q.device:
-            _fail(ValueError, "sinks", f"device {q.device} (q's)", sinks.device)
+        _on_device("q", q.device, sinks=sinks)
     if logits_soft_cap is not None:
         if not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool):
             _fail(TypeError, "logits_soft_cap", "a float", type(logits_soft_cap).__name__)
@@ -471,8 +476,7 @@ def check_decode_args(
             _fail(ValueError, "out", f"shape {tuple(q.shape)} (q's)", tuple(out.shape))
         if out.dtype not in (q.dtype, torch.float32):
             _fail(TypeError, "out", f"dtype {q.dtype} (q's) or float32", out.dtype)
-        if out.device != q.device:
-            _fail(ValueError, "out", f"device {q.device} (q's)", out.device)
+        _on_device("q", q.device, out=out)
         if out.stride(-1) != 1:
             _fail(ValueError, "out", "a unit stride on head_dim", out.stride())
 
@@ -554,21 +558,14 @@ def check_append_args(
             ValueError, "v_cache", f"shape {tuple(k_cache.shape)} (k_cache's)", tuple(v_cache.shape)
         )
     _tensor("slot_mapping", slot_mapping, 1, SLOT_DTYPES)
-    for name, x in (
-        ("v", v),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("slot_mapping", slot_mapping),
-    ):
-        if x.device != k.device:
-            _fail(ValueError, name, f"device {k.device} (k's)", x.device)
+    _on_device("k", k.device, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
 
-    if kv_layout == "NHD":
-        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-        layout_shape = "[num_pages, page_size, num_kv_heads]"
-    else:
-        num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
-        layout_shape = "[num_pages, num_kv_heads, page_size]"
+    num_pages, page_size, num_kv_heads, head_dim = cache_dims(k_cache, kv_layout)
+    layout_shape = (
+        "[num_pages, page_size, num_kv_heads]"
+        if kv_layout == "NHD"
+        else "[num_pages, num_kv_heads, page_size]"
+    )
     num_tokens = k.shape[0]
     if tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         _fail(
@@ -621,8 +618,7 @@ def check_append_args(
                 )
             if scale.dtype != torch.float32:
                 _fail(TypeError, name, "dtype float32", scale.dtype)
-            if scale.device != k.device:
-                _fail(ValueError, name, f"device {k.device} (k's)", scale.device)
+            _on_device("k", k.device, **{name: scale})
             if kv_scale == "per_tensor" and scale.numel() != 1:
                 _fail(ValueError, name, "one element (kv_scale='per_tensor')", tuple(scale.shape))
             if kv_scale == "per_token" and tuple(scale.shape) != tuple(k_cache.shape[:3]):

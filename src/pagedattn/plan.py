@@ -625,15 +625,13 @@ def _plan_step(
     num_programs, partition_size, max_seq_len = map(
         checks.plain_number, (num_programs, partition_size, max_seq_len)
     )
+    geometry = dict(
+        query_len=query_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, kv_dtype=kv_dtype, kv_scale=kv_scale,
+    )  # fmt: skip
     batch = checks.check_plan_args(
         seq_lens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        query_len=query_len,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
+        **geometry,
         num_programs=num_programs,
         partition_size=partition_size,
         max_seq_len=max_seq_len,
@@ -671,13 +669,7 @@ def _plan_step(
                 TuningKey.from_batch(
                     device_name=device_name(device),
                     sm_count=sm_count(device),
-                    query_len=query_len,
-                    num_q_heads=num_q_heads,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    page_size=page_size,
-                    kv_dtype=kv_dtype,
-                    kv_scale=kv_scale,
+                    **geometry,
                     batch_size=max(batch, 1),
                     max_seq_len=max_seq_len,
                 )
@@ -735,37 +727,29 @@ def _plan_step(
     )
     pdl = pdl_enabled(device)
     ints = (batch, max_works, max_reduces, query_len, records.max_seq_len_supported(batch))
+    both = dict(
+        num_warps=launch.warps,
+        launch_pdl=pdl,
+        PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
+        NUM_PROGRAMS=num_programs,
+        GROUP=num_q_heads // num_kv_heads,
+        PARTITION_SHIFT=(partition_size or 1).bit_length() - 1,  # 0: the scheduler picks it
+        BLOCK_B=launch.block_b,
+        RAGGED=ragged,
+        PDL=pdl,
+    )
     if batch_invariant:
         # One scheduler program per program of a kv head (it serves that program of every
-        # head), each scanning the whole batch.
-        bound = BoundLaunch(
-            _schedule_invariant_kernel,
-            (num_programs // num_kv_heads,),
-            num_warps=launch.warps,
-            launch_pdl=pdl,
-            PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
-            NUM_PROGRAMS=num_programs,
-            GROUP=num_q_heads // num_kv_heads,
-            PARTITION_SHIFT=partition_size.bit_length() - 1,
-            BLOCK_B=launch.block_b,
-            RAGGED=ragged,
-            PDL=pdl,
-        )
+        # head), each scanning the whole batch; the partition is always fixed here.
+        grid = num_programs // num_kv_heads
+        bound = BoundLaunch(_schedule_invariant_kernel, (grid,), **both)
     else:
         bound = BoundLaunch(
             _schedule_kernel,
             (launch.grid,),
-            num_warps=launch.warps,
-            launch_pdl=pdl,
-            PROGRAMS_PER_HEAD=num_programs // num_kv_heads,
-            NUM_PROGRAMS=num_programs,
-            GROUP=num_q_heads // num_kv_heads,
-            PARTITION_SHIFT=(partition_size or 1).bit_length() - 1,  # 0: the scheduler picks it
-            BLOCK_B=launch.block_b,
+            **both,
             SINGLE_BLOCK=batch <= launch.block_b,
             WINDOW=launch.window,
             LOCALS=launch.locals,
-            RAGGED=ragged,
-            PDL=pdl,
         )
     return PlanStep(sizes=sizes, launch=bound, ints=ints)
