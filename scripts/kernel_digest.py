@@ -268,6 +268,19 @@ def _build(v: Variant, target=None):
     return _decode_kernel, signature, constexprs, attrs, options
 
 
+def _line(name: str, width: int, compiled, ptxas_log: str) -> str:
+    """A variant's digest line: its name, the PTX's sha256, then registers, spill stores / loads
+    and shared memory as ptxas and the build report them."""
+    regs = re.search(r"Used (\d+) registers", ptxas_log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    return (
+        f"{name:{width}s} ptx={hashlib.sha256(compiled.asm['ptx'].encode()).hexdigest()} "
+        f"regs={regs.group(1) if regs else '?'} "
+        f"spill={spills.group(1) + '/' + spills.group(2) if spills else '?'} "
+        f"shared={compiled.metadata.shared}"
+    )
+
+
 def digest(v: Variant) -> str:
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -285,16 +298,7 @@ def digest(v: Variant) -> str:
             target=GPUTarget("cuda", 90, 32),
             options=options,
         )
-    ptx = compiled.asm["ptx"]
-    text = log.getvalue()
-    regs = re.search(r"Used (\d+) registers", text)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return (
-        f"{v.name:50s} ptx={hashlib.sha256(ptx.encode()).hexdigest()} "
-        f"regs={regs.group(1) if regs else '?'} "
-        f"spill={spills.group(1) + '/' + spills.group(2) if spills else '?'} "
-        f"shared={compiled.metadata.shared}"
-    )
+    return _line(v.name, 50, compiled, log.getvalue())
 
 
 # -- the Hopper (Gluon) kernel: variants named gluon-*, built as the CPU build tests build them --
@@ -366,16 +370,7 @@ def hopper_digest(v: HopperVariant) -> str:
     with contextlib.redirect_stdout(log), unittest.mock.patch.object(triton, "compile", compile_fn):
         compiled = hopper.compile_sm90a(**dict(v.build))
     assert compiled.metadata.launch_pdl == v.pdl
-    ptx = compiled.asm["ptx"]
-    text = log.getvalue()
-    regs = re.search(r"Used (\d+) registers", text)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return (
-        f"{v.name:54s} ptx={hashlib.sha256(ptx.encode()).hexdigest()} "
-        f"regs={regs.group(1) if regs else '?'} "
-        f"spill={spills.group(1) + '/' + spills.group(2) if spills else '?'} "
-        f"shared={compiled.metadata.shared}"
-    )
+    return _line(v.name, 54, compiled, log.getvalue())
 
 
 # -- AMD targets (--target gfx942 | gfx950): the portable kernels built by Triton's AMD backend --
