@@ -170,16 +170,7 @@ def pick_backend(backend, shape, q, plan, *, uses, **call):
     if backend == "triton":
         return "triton"
     if by_default and not (
-        hopper_shape(
-            q.device,
-            kv_dtype=shape.kv_dtype,
-            kv_scale=shape.kv_scale,
-            query_len=shape.query_len,
-            head_dim=shape.head_dim,
-            page_size=shape.page_size,
-            group=shape.num_q_heads // shape.num_kv_heads,
-            by_default=True,
-        )
+        hopper_shape(q.device, **shape.hopper_shape(), kv_scale=shape.kv_scale, by_default=True)
         and plan.num_programs
         == default_num_programs(q.device, plan.num_kv_heads, HOPPER_PROGRAMS_PER_SM)
     ):

@@ -43,6 +43,27 @@ class DecodeShape(NamedTuple):
     kv_dtype: torch.dtype
     kv_scale: str | None
 
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    def hopper_shape(self) -> dict:
+        """What the Hopper family's limits read of a step's shape
+        (``backend.hopper_shape_reason``)."""
+        return dict(
+            kv_dtype=self.kv_dtype, query_len=self.query_len, head_dim=self.head_dim,
+            page_size=self.page_size, group=self.group,
+        )  # fmt: skip
+
+    def plan_sizes(self) -> dict:
+        """:func:`pagedattn.plan_decode`'s size arguments for a step of this shape."""
+        return dict(
+            num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            page_size=self.page_size, query_len=self.query_len, kv_dtype=self.kv_dtype,
+            kv_scale=self.kv_scale,
+        )  # fmt: skip
+
 
 class DecodeCall(NamedTuple):
     """A checked :func:`pagedattn.paged_decode` call as the kernel families' prepared launches
@@ -481,17 +502,9 @@ def check_decode_args(
             _fail(ValueError, "out", "a unit stride on head_dim", out.stride())
 
     shape = DecodeShape(
-        batch=batch,
-        query_len=query_len,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        num_pages=num_pages,
-        max_pages_per_seq=block_table.shape[1],
-        kv_dtype=k_cache.dtype,
-        kv_scale=k_mode,
-    )
+        batch, query_len, num_q_heads, num_kv_heads, head_dim, page_size, num_pages,
+        max_pages_per_seq=block_table.shape[1], kv_dtype=k_cache.dtype, kv_scale=k_mode,
+    )  # fmt: skip
     if plan is not None:
         check_plan_matches(plan, shape, q.device)
     return shape

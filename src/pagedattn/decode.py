@@ -261,17 +261,7 @@ def paged_decode(
         )
         if plan is None:
             with using_backend(backend) if backend != "auto" else contextlib.nullcontext():
-                plan = plan_decode(
-                    seq_lens,
-                    num_q_heads=shape.num_q_heads,
-                    num_kv_heads=shape.num_kv_heads,
-                    head_dim=shape.head_dim,
-                    page_size=shape.page_size,
-                    query_len=shape.query_len,
-                    kv_dtype=shape.kv_dtype,
-                    kv_scale=shape.kv_scale,
-                    query_start_loc=query_start_loc,
-                )
+                plan = plan_decode(seq_lens, **shape.plan_sizes(), query_start_loc=query_start_loc)
         step = DecodeStep(
             q,
             k_cache,

@@ -259,24 +259,14 @@ def _signature(constexprs, kv_dtype):
 
 def compile_sm90a(
     *,
-    group: int,
-    query_len: int = 1,
-    page_size: int = 1024,
-    scale_mode: int = SCALE_TENSOR,
-    write_lse: bool = False,
-    stages: int = DEFAULT_STAGES,
-    half: int | None = None,
     maxnreg: int | None = DEFAULT_MAXNREG,
-    load_regs: int = DEFAULT_LOAD_REGS,
-    convert_regs: int = DEFAULT_CONVERT_REGS,
-    transposed: bool | None = None,
-    window: bool = False,
     kv_dtype: torch.dtype | str = torch.float8_e4m3fn,
-    head_dim: int = 128,
-    trace: bool = False,
+    **build,
 ):
-    """Compiles one variant (:func:`variant`'s arguments; ``kv_dtype`` also by its name in
-    ``torch``) for sm_90a without a GPU (Triton's bundled ptxas); returns the compiled
+    """Compiles one variant for sm_90a without a GPU (Triton's bundled ptxas): ``build`` are
+    :func:`variant`'s keyword arguments, of which ``query_len`` (1), ``page_size`` (1024),
+    ``scale_mode`` (per tensor) and ``write_lse`` (False) may be left out here; ``kv_dtype``
+    also by its name in ``torch``; ``maxnreg`` as the launch takes it. Returns the compiled
     kernel (``asm`` holds ``ptx`` and ``cubin``, ``metadata.shared`` the bytes of shared
     memory)."""
     if isinstance(kv_dtype, str):
@@ -284,22 +274,8 @@ def compile_sm90a(
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constexprs = variant(
-        group=group,
-        query_len=query_len,
-        page_size=page_size,
-        scale_mode=scale_mode,
-        write_lse=write_lse,
-        stages=stages,
-        half=half,
-        load_regs=load_regs,
-        convert_regs=convert_regs,
-        transposed=transposed,
-        window=window,
-        kv_dtype=kv_dtype,
-        head_dim=head_dim,
-        trace=trace,
-    )
+    build = dict(query_len=1, page_size=1024, scale_mode=SCALE_TENSOR, write_lse=False) | build
+    constexprs = variant(**build, kv_dtype=kv_dtype)
     signature, constexprs, attrs = _signature(constexprs, kv_dtype)
     source = GluonASTSource(
         gluon_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs
@@ -314,13 +290,7 @@ def compile_sm90a(
 def unsupported(shape, q, plan, *, k_cache, v_cache, kv_layout, sliding_window=None):
     """Why this family does not cover a decode call (checked arguments ``shape``), or None
     (any ``sliding_window`` is covered)."""
-    reason = hopper_shape_reason(
-        kv_dtype=shape.kv_dtype,
-        query_len=shape.query_len,
-        head_dim=shape.head_dim,
-        page_size=shape.page_size,
-        group=shape.num_q_heads // shape.num_kv_heads,
-    )
+    reason = hopper_shape_reason(**shape.hopper_shape())
     if reason is not None:
         return reason
     tile = tile_tokens(shape.kv_dtype, shape.head_dim)
@@ -492,7 +462,7 @@ class HopperStep:
             call.k_scale, call.v_scale, call.kv_layout, call.out, call.lse
         )  # fmt: skip
         sliding_window, trace = call.sliding_window, call.trace
-        group = shape.num_q_heads // shape.num_kv_heads
+        group = shape.group
         # The kernel reads query rows as contiguous 16-byte runs.
         self.contiguous_q = q.stride(2) != 1
         if self.contiguous_q:

@@ -53,7 +53,7 @@ def decode_constexprs(
     with the tiles of :func:`decode_tiles` (the decode call launches with them;
     ``scripts/kernel_digest.py`` builds from them). ``fnuz_bits``: an e4m3fnuz cache passed as
     e4m3fn bytes (:func:`fnuz_as_bytes`)."""
-    rows = shape.query_len * (shape.num_q_heads // shape.num_kv_heads)
+    rows = shape.query_len * shape.group
     # Both Q K^T alternatives to the query dtype apply to FP8 keys with a bf16 query only; the
     # FP8 tensor-core one to e4m3fn keys only (its query terms are e4m3fn: no fnuz MMA mixes
     # with them, and NVIDIA has none at all).
@@ -61,7 +61,7 @@ def decode_constexprs(
     e4m3fn_keys = shape.kv_dtype == torch.float8_e4m3fn
     return dict(
         QUERY_LEN=shape.query_len,
-        GROUP=shape.num_q_heads // shape.num_kv_heads,
+        GROUP=shape.group,
         HEAD_DIM=shape.head_dim,
         PAGE_SIZE=shape.page_size,
         BLOCK_M=max(16, next_power_of_2(rows)),
@@ -149,7 +149,7 @@ class PortableStep:
             raise ValueError("tracing: expected an NVIDIA GPU (its stamps are PTX), got an AMD one")
         config = launch_config or decode_launch_config(
             head_dim=shape.head_dim,
-            rows=shape.query_len * (shape.num_q_heads // shape.num_kv_heads),
+            rows=shape.query_len * shape.group,
             kv_dtype=shape.kv_dtype,
             partition_size=plan.min_partition_size,
             kv_scale=shape.kv_scale,
