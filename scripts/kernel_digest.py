@@ -142,25 +142,34 @@ def _build(v: Variant, target=None):
 
     from pagedattn._kernels.decode import _decode_kernel
     from pagedattn.checks import DecodeShape
-    from pagedattn.families.portable import decode_constexprs, decode_tiles, fnuz_as_bytes
-    from pagedattn.launch import DecodeLaunchConfig, Target, decode_launch_config
+    from pagedattn.families.portable import (
+        decode_constexprs,
+        decode_tiles,
+        default_config,
+        fnuz_as_bytes,
+    )
+    from pagedattn.launch import DecodeLaunchConfig, Target
 
     kv_dtype = {"fp8": torch.float8_e4m3fn, "fnuz": torch.float8_e4m3fnuz}.get(v.kv, torch.bfloat16)
     # e4m3fnuz: Triton's fnuz type where the target has one, else e4m3fn bytes (FNUZ_BITS).
     fnuz_bits = fnuz_as_bytes(kv_dtype, target or Target())
     kv_ty = {"fp8": "fp8e4nv", "fnuz": "fp8e4nv" if fnuz_bits else "fp8e4b8"}.get(v.kv, "bf16")
     q_ty = v.q
-    rows = v.query_len * v.group
     num_q_heads = NUM_KV_HEADS * v.group
     kv_scale = {0: None, 1: "per_tensor", 2: "per_token"}[v.scale]
-    config = decode_launch_config(
+    shape = DecodeShape(
+        batch=4,
+        query_len=v.query_len,
+        num_q_heads=num_q_heads,
+        num_kv_heads=NUM_KV_HEADS,
         head_dim=v.head_dim,
-        rows=rows,
+        page_size=v.page_size,
+        num_pages=MAX_PAGES,
+        max_pages_per_seq=MAX_PAGES,
         kv_dtype=kv_dtype,
-        partition_size=PARTITION,
         kv_scale=kv_scale,
-        target=target,
     )
+    config = default_config(shape, PARTITION, target)
     config = dataclasses.replace(
         config, head_chunk=v.head_chunk, tma=v.tma, unmasked_loop=v.unmasked_loop
     )
@@ -215,18 +224,6 @@ def _build(v: Variant, target=None):
         "window": "i32",
         "trace_ptr": "*i64" if v.trace else None,
     }
-    shape = DecodeShape(
-        batch=4,
-        query_len=v.query_len,
-        num_q_heads=num_q_heads,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=v.head_dim,
-        page_size=v.page_size,
-        num_pages=MAX_PAGES,
-        max_pages_per_seq=MAX_PAGES,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-    )
     constexprs = decode_constexprs(
         shape,
         config,

@@ -128,6 +128,21 @@ def descriptor(cache: torch.Tensor, box: tuple) -> TensorDescriptor:
     return desc
 
 
+def default_config(
+    shape: DecodeShape, partition_size: int, target: Target | None
+) -> DecodeLaunchConfig:
+    """The launch configuration of a step of ``shape`` without ``launch_config``, with
+    partitions of at least ``partition_size`` tokens."""
+    return decode_launch_config(
+        head_dim=shape.head_dim,
+        rows=shape.query_len * shape.group,
+        kv_dtype=shape.kv_dtype,
+        partition_size=partition_size,
+        kv_scale=shape.kv_scale,
+        target=target,
+    )
+
+
 class PortableStep:
     """The portable family's decode (and reducer) launch prepared for one call signature:
     tiles, constexprs, integer arguments and compiled handles, made once from a checked call;
@@ -147,14 +162,7 @@ class PortableStep:
         target = device_target(q.device)
         if trace is not None and target.amd:
             raise ValueError("tracing: expected an NVIDIA GPU (its stamps are PTX), got an AMD one")
-        config = launch_config or decode_launch_config(
-            head_dim=shape.head_dim,
-            rows=shape.query_len * shape.group,
-            kv_dtype=shape.kv_dtype,
-            partition_size=plan.min_partition_size,
-            kv_scale=shape.kv_scale,
-            target=target,
-        )
+        config = launch_config or default_config(shape, plan.min_partition_size, target)
         self.fnuz_bits = fnuz_as_bytes(shape.kv_dtype, target)
         # Bulk copies need the whole tile inside one page (tma_boxes says None otherwise);
         # with smaller pages the gather path keeps the full tile (H200, page 16, 128 x 8192: 60%
