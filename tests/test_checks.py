@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import pagedattn
-from pagedattn.cache import FP8_DTYPE, build_paged_cache
+from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
+from pagedattn.testing import random_step
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # As tensors report it (cuda:0 on a GPU), for matching messages.
@@ -70,22 +71,12 @@ def _inputs(
     seed=0,
 ) -> dict:
     """Valid ``paged_decode`` arguments (positional ones by name) for the base geometry."""
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    cache = build_paged_cache(
-        lens,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE,
-        kv_dtype=kv_dtype,
-        kv_layout=kv_layout,
-        kv_scale=kv_scale,
-        device=DEVICE,
-        generator=gen,
-        extra_pages=EXTRA_PAGES,
-    )
-    q = torch.randn(
-        len(lens) * query_len, Q_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=q_dtype
-    )
+    cache, q = random_step(
+        lens, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE,
+        device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(seed),
+        query_len=query_len, q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=kv_layout,
+        kv_scale=kv_scale, extra_pages=EXTRA_PAGES,
+    )  # fmt: skip
     args = dict(
         q=q,
         k_cache=cache.k_cache,
