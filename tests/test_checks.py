@@ -77,17 +77,7 @@ def _inputs(
         query_len=query_len, q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=kv_layout,
         kv_scale=kv_scale, extra_pages=EXTRA_PAGES,
     )  # fmt: skip
-    args = dict(
-        q=q,
-        k_cache=cache.k_cache,
-        v_cache=cache.v_cache,
-        block_table=cache.block_table,
-        seq_lens=cache.seq_lens,
-        kv_layout=kv_layout,
-    )
-    if cache.k_scale is not None:
-        args.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    return args
+    return dict(q=q, **cache.decode_args())
 
 
 def _decode(args: dict, **kwargs):

@@ -87,21 +87,11 @@ def _decode(step, cache, q, plan, out=None, **kw):
     if out is None:
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
     kw.setdefault("debug", True)
+    assert cache.kv_layout == step.kv_layout
     got, lse = pagedattn.paged_decode(
-        q,
-        cache.k_cache,
-        cache.v_cache,
-        cache.block_table,
-        cache.seq_lens,
-        plan=plan,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        kv_layout=step.kv_layout,
-        sliding_window=step.window,
-        out=out,
-        return_lse=True,
+        q, **cache.decode_args(), plan=plan, sliding_window=step.window, out=out, return_lse=True,
         **kw,
-    )
+    )  # fmt: skip
     assert got is out
     return out, lse
 

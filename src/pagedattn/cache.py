@@ -156,6 +156,15 @@ class PagedCache:
         """Pages in the cache, owned or not."""
         return self.k_cache.shape[0]
 
+    def decode_args(self) -> dict:
+        """:func:`pagedattn.paged_decode`'s arguments that the cache holds, by name:
+        ``paged_decode(q, **cache.decode_args(), plan=plan)``."""
+        return dict(
+            k_cache=self.k_cache, v_cache=self.v_cache, block_table=self.block_table,
+            seq_lens=self.seq_lens, k_scale=self.k_scale, v_scale=self.v_scale,
+            kv_layout=self.kv_layout,
+        )  # fmt: skip
+
 
 def _slot_validity(lengths: list[int], page_ids: list[int], num_pages: int, page_size: int):
     """Bool ``[num_pages, page_size]``: True where a slot holds a token of some sequence.
