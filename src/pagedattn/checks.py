@@ -145,6 +145,18 @@ def _on_device(anchor: str, device: torch.device, **tensors: torch.Tensor) -> No
             _fail(ValueError, name, f"device {device} ({anchor}'s)", x.device)
 
 
+def _cache_pair(k_cache, v_cache) -> None:
+    """Both caches 4-D tensors of a cache dtype (16-bit or FP8), of one dtype and shape."""
+    _tensor("k_cache", k_cache, 4, KV_DTYPES)
+    _tensor("v_cache", v_cache, 4, KV_DTYPES)
+    if v_cache.dtype != k_cache.dtype:
+        _fail(TypeError, "v_cache", f"dtype {k_cache.dtype} (k_cache's)", v_cache.dtype)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        _fail(
+            ValueError, "v_cache", f"shape {tuple(k_cache.shape)} (k_cache's)", tuple(v_cache.shape)
+        )
+
+
 def cache_dims(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
     """``(num_pages, page_size, num_kv_heads, head_dim)`` of a 4-D cache in ``kv_layout``."""
     if kv_layout == "NHD":
@@ -376,14 +388,7 @@ def check_decode_args(
     batch = check_seq_lens(seq_lens)
     _tensor("q", q, 3, Q_DTYPES)
     check_device("q", q)
-    _tensor("k_cache", k_cache, 4, KV_DTYPES)
-    _tensor("v_cache", v_cache, 4, KV_DTYPES)
-    if v_cache.dtype != k_cache.dtype:
-        _fail(TypeError, "v_cache", f"dtype {k_cache.dtype} (k_cache's)", v_cache.dtype)
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        _fail(
-            ValueError, "v_cache", f"shape {tuple(k_cache.shape)} (k_cache's)", tuple(v_cache.shape)
-        )
+    _cache_pair(k_cache, v_cache)
     if k_cache.dtype not in FP8_DTYPES and k_cache.dtype != q.dtype:
         _fail(
             TypeError,
@@ -562,14 +567,7 @@ def check_append_args(
         if x.shape[2] > 1 and x.stride(2) != 1:
             _fail(ValueError, name, "a unit stride on head_dim (the last dim)", x.stride())
     # The cache dtypes decode reads: 16-bit (stored as is) and FP8 (quantised).
-    _tensor("k_cache", k_cache, 4, KV_DTYPES)
-    _tensor("v_cache", v_cache, 4, KV_DTYPES)
-    if v_cache.dtype != k_cache.dtype:
-        _fail(TypeError, "v_cache", f"dtype {k_cache.dtype} (k_cache's)", v_cache.dtype)
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        _fail(
-            ValueError, "v_cache", f"shape {tuple(k_cache.shape)} (k_cache's)", tuple(v_cache.shape)
-        )
+    _cache_pair(k_cache, v_cache)
     _tensor("slot_mapping", slot_mapping, 1, SLOT_DTYPES)
     _on_device("k", k.device, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
 
