@@ -221,13 +221,6 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-requests", type=int, default=None)
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument(
-        "--num-programs",
-        type=int,
-        default=None,
-        help="persistent grid of the decode kernel (default: the library's on a GPU; on the "
-        "CPU one program per kv head, as the interpreter runs programs one after another)",
-    )
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
@@ -243,9 +236,9 @@ def main(argv=None) -> int:
             save_random_checkpoint(folder, tiny=args.tiny, seed=args.seed)
             path = folder
         config = AutoConfig.from_pretrained(path)
-        num_programs = args.num_programs
-        if num_programs is None and device == "cpu":
-            num_programs = config.num_key_value_heads
+        # The library's grid on a GPU; on the CPU one program per kv head (the interpreter
+        # runs programs one after another).
+        num_programs = config.num_key_value_heads if device == "cpu" else None
         name = pagedattn_transformers.register(num_programs=num_programs)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.bfloat16, attn_implementation=name
