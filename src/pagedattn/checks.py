@@ -397,8 +397,8 @@ def check_decode_args(
             k_cache.dtype,
         )
     _tensor("block_table", block_table, 2, (torch.int32,))
-    _on_device("q", q.device, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-               seq_lens=seq_lens)  # fmt: skip
+    tables = dict(block_table=block_table, seq_lens=seq_lens)
+    _on_device("q", q.device, k_cache=k_cache, v_cache=v_cache, **tables)
 
     num_pages, page_size, num_kv_heads, head_dim = cache_dims(k_cache, kv_layout)
     num_tokens, num_q_heads, q_head_dim = q.shape
