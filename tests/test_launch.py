@@ -8,6 +8,7 @@ from conftest import DEVICE, ON_GPU, run_compiled
 
 import pagedattn
 from pagedattn.launch import (
+    BoundLaunch,
     DecodeLaunchConfig,
     ReduceLaunchConfig,
     decode_launch_config,
@@ -99,6 +100,16 @@ def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, mon
     )
     (kwargs,) = launched
     assert kwargs["QK_FP8"] is (q_dtype == torch.bfloat16 and not exact_qk)
+
+
+def test_bound_launch_grids_have_three_dims():
+    """A compiled handle takes its grid as three numbers (Triton's ``CompiledKernel[grid]``
+    reads grid[0..2]); the JIT launch takes one to three. A prepared launch keeps three."""
+    from pagedattn._kernels.schedule import _schedule_kernel
+
+    assert BoundLaunch(_schedule_kernel, (7,), num_warps=4).grid == (7, 1, 1)
+    assert BoundLaunch(_schedule_kernel, (7, 2), num_warps=4).grid == (7, 2, 1)
+    assert BoundLaunch(_schedule_kernel, (7, 2, 3), num_warps=4).grid == (7, 2, 3)
 
 
 @pytest.mark.parametrize(
