@@ -9,6 +9,10 @@ that write too. The last line sums it up (``fuzz: ...``): decode cases by kind, 
 
     python scripts/fuzz.py --valid 10000 --corrupt 1000 --seconds 300
     compute-sanitizer --tool memcheck python scripts/fuzz.py --valid 20 --corrupt 200
+
+``--backend gluon`` prefers the Hopper family for every step it covers (as
+``tests/test_robustness.py``'s ``gluon`` cases do), ``triton`` the portable one; ``auto`` (the
+default) as ``paged_decode`` chooses by default.
 """
 
 from __future__ import annotations
@@ -24,12 +28,18 @@ import traceback
 import torch
 
 from pagedattn import testing
+from pagedattn.backend import using_backend
 
 
-def fuzz(seed: int, valid: int, corrupt: int, seconds: float, max_batch: int, max_len: int):
+def fuzz(
+    seed: int, valid: int, corrupt: int, seconds: float, max_batch: int, max_len: int, backend: str
+):
     """One worker's share: ``(counts by kind, failure tracebacks)``; the counts hold the decode
     cases by corruption ("valid" for none), and ``append valid``, ``append bad slots``,
     ``failed decode``, ``failed append``."""
+    if backend != "auto":
+        with using_backend(backend):
+            return fuzz(seed, valid, corrupt, seconds, max_batch, max_len, "auto")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rng = random.Random(seed)
     kinds = ["valid"] * valid + ["corrupt"] * corrupt
@@ -63,6 +73,7 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=24)
     parser.add_argument("--max-len", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=("auto", "triton", "gluon"), default="auto")
     parser.add_argument(
         "--workers", type=int, default=1, help="processes sharing the GPU (host-bound checks)"
     )
@@ -76,6 +87,7 @@ def main() -> int:
             args.seconds,
             args.max_batch,
             args.max_len,
+            args.backend,
         )
         for i in range(n)
     ]
@@ -93,7 +105,8 @@ def main() -> int:
     total = sum(done.values())
     corrupted = total - done["valid"]
     print(
-        f"fuzz: {total} cases in {elapsed:.0f} s on {n} worker(s) ({done['valid']} valid, "
+        f"fuzz ({args.backend}): {total} cases in {elapsed:.0f} s on {n} worker(s) "
+        f"({done['valid']} valid, "
         f"{corrupted} corrupted: "
         + ", ".join(f"{k} {v}" for k, v in sorted(done.items()) if k != "valid")
         + f"; append_kv {append['append valid']} valid, {append['append bad slots']} with bad "

@@ -336,6 +336,7 @@ def _head_dim_stride_2(x):
 
 
 # (id, the valid call's kv_scale, change, exception, message)
+ON = torch.empty(0, device=DEVICE).device  # as a tensor names it: cpu, or cuda:0
 ERRORS = [
     ("k-dtype", "per_token", _arg(0, torch.Tensor.float), TypeError,
      r"k: expected dtype in \(bfloat16, float16\), got torch.float32"),
@@ -362,7 +363,7 @@ ERRORS = [
     ("cache-shapes-differ", "per_token", _arg(3, lambda x: x[:2]), ValueError,
      r"v_cache: expected shape \(3, 4, 2, 64\) \(k_cache's\), got \(2, 4, 2, 64\)"),
     ("cache-device", "per_token", _arg(3, lambda x: x.to("meta")), ValueError,
-     r"v_cache: expected device cpu \(k's\), got meta"),
+     rf"v_cache: expected device {ON} \(k's\), got meta"),
     ("head-dim", "per_token", _all(range(4), lambda x: x[..., :32]), ValueError,
      r"head_dim: expected one of \(64, 128, 256\), got 32"),
     ("layout", "per_token", _kw("kv_layout", lambda x: "HND"), ValueError,
@@ -378,7 +379,7 @@ ERRORS = [
     ("slots-stride", "per_token", _arg(4, lambda x: x.repeat_interleave(2)[::2]), ValueError,
      r"slot_mapping: expected a contiguous tensor \(stride 1\), got stride 2"),
     ("slots-device", "per_token", _arg(4, lambda x: x.to("meta")), ValueError,
-     r"slot_mapping: expected device cpu \(k's\), got meta"),
+     rf"slot_mapping: expected device {ON} \(k's\), got meta"),
     ("mode-name", "per_token", _kw("kv_scale", lambda x: "per_head"), ValueError,
      r"kv_scale: expected None, 'per_tensor' or 'per_token', got 'per_head'"),
     ("fp8-no-mode", "per_token", _kw("kv_scale", lambda x: None), ValueError,
@@ -391,7 +392,7 @@ ERRORS = [
      r"k_scale: expected shape \(3, 4, 2\) = \[num_pages, page_size, num_kv_heads\] "
      r"\(kv_scale='per_token'\), got \(3, 2, 2\)"),
     ("scale-device", "per_token", _kw("v_scale", lambda x: x.to("meta")), ValueError,
-     r"v_scale: expected device cpu \(k's\), got meta"),
+     rf"v_scale: expected device {ON} \(k's\), got meta"),
     ("per-tensor-size", "per_token", _kw("kv_scale", lambda x: "per_tensor"), ValueError,
      r"k_scale: expected one element \(kv_scale='per_tensor'\), got \(3, 4, 2\)"),
     ("debug", "per_token", _kw("debug", lambda x: 1), TypeError,
