@@ -4,8 +4,8 @@ and the robustness contract. Geometries come from ``testing.COMPILED_GEOMETRIES`
 specialisations each); lengths, batch sizes, page ids and windows are random. Each step's new
 tokens are also written with ``append_kv`` into caches inside a poisoned buffer and checked byte
 for byte against ``append_kv_torch``; half the corrupted steps put slots outside the cache into
-that write too. The last line sums it up (``fuzz: ...``): decode cases by kind, append_kv cases
-(valid, with bad slots) and the failures of each.
+that write too. The last line sums it up (``fuzz (BACKEND): ...``): decode cases by kind,
+append_kv cases (valid, with bad slots) and the failures of each.
 
     python scripts/fuzz.py --valid 10000 --corrupt 1000 --seconds 300
     compute-sanitizer --tool memcheck python scripts/fuzz.py --valid 20 --corrupt 200
