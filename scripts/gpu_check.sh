@@ -6,7 +6,7 @@
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $RESULTS (default
 # /tmp/gpu_check_out).
 #   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|append|fa3|cb|host|all|
-#   steady|profile|budget|ab|ab_src|ab_multi] [args]
+#   steady|robust|profile|budget|ab|ab_src|ab_multi] [args]
 # (several modes in one run: comma-separated, e.g. append,fa3,cb,steady, each with its summary;
 # append: append_kv against the copy ceiling, benchmarks/micro.py append; fa3: FlashInfer's FA3
 # backend beside pagedattn and XQA, FP8 and bf16 KV (FA3_BENCH_ARGS replace its cases); cb:
@@ -15,7 +15,9 @@
 # steady-state decode, bf16 and FP8 caches, STEADY_TOKENS new tokens (default 256), with
 # STEADY_EAGER=1 also without CUDA graphs; not in all, where example runs generate.py; each
 # bounded by APPEND_SECONDS, FA3_SECONDS, CB_SECONDS, STEADY_SECONDS (a run));
-# (host: wall time of each eager call, scripts/host_overhead.py, also in all and profile;
+# (robust: the suite's corrupted-input fuzz batches, the Hopper family preferred, under
+# compute-sanitizer, one process, ROBUST_K / ROBUST_SECONDS; not part of all;
+# host: wall time of each eager call, scripts/host_overhead.py, also in all and profile;
 # profile: that and the per-program decode trace; not part of all. ab VAR:
 # the seed, bf16 and page-16 benchmarks with VAR=0 and VAR=1 in turn, packed into
 # $RESULTS/ab.tar.gz; compare the CSVs with scripts/ab_env.py. ab_src DIR: the seed benchmark of
@@ -112,6 +114,18 @@ if [[ $MODE == fuzz || $MODE == all ]]; then
   done
   python3 benchmarks/micro.py schedule >"$RESULTS/schedule.md" 2>&1
   summary+=("scheduler: $RESULTS/schedule.md")
+fi
+
+if [[ $MODE == robust ]]; then
+  # The suite's corrupted-input fuzz batches one process after another under compute-sanitizer
+  # (the kernel and address of a bad access, attributed to its batch); ROBUST_K selects them.
+  timeout "${ROBUST_SECONDS:-540}" compute-sanitizer --tool memcheck --print-limit 20 \
+    python3 -m pytest -q -p no:cacheprovider -n 0 -x tests/test_robustness.py \
+    -k "${ROBUST_K:-fuzz_random_corruptions and gluon}" >"$LOGS/robust.log" 2>&1
+  summary+=("robust (rc $?): $(grep -E 'ERROR SUMMARY|passed|failed' "$LOGS/robust.log" |
+    tail -3 | tr '\n' ' ')")
+  grep -m3 -B2 -A14 "Invalid __global__" "$LOGS/robust.log" | head -60
+  cp "$LOGS/robust.log" "$RESULTS"/
 fi
 
 if [[ $MODE == tune || $MODE == all ]]; then
