@@ -401,7 +401,7 @@ def descriptor_box(cache, kv_layout, page_size) -> tuple:
 
     kv_dtype = cache.dtype
     strides = cache_strides(cache, kv_layout)
-    heads, head_dim = cache.shape[2 if kv_layout == "NHD" else 1], cache.shape[3]
+    _, _, heads, head_dim = checks.cache_dims(cache, kv_layout)
     # Two e4m3 values an fp16 element (unit head_dim stride, 16-byte strides: unsupported()).
     ratio = _copy_ratio(kv_dtype)
     box = (

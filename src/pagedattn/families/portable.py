@@ -9,7 +9,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._kernels.common import interpreting
 from .._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_kernel
 from .._kernels.limits import LOG2E
-from ..checks import FP8_DTYPES, DecodeCall, DecodeShape
+from ..checks import FP8_DTYPES, DecodeCall, DecodeShape, cache_dims
 from ..launch import (
     DecodeLaunchConfig,
     Target,
@@ -106,11 +106,7 @@ def tma_boxes(k_cache, v_cache, kv_layout, page_size, block_n, block_d):
             return None
         if any(stride * cache.element_size() % 16 for stride in strides[:3]):
             return None
-        num_pages, heads, head_dim = (
-            cache.shape[0],
-            cache.shape[2 if kv_layout == "NHD" else 1],
-            cache.shape[3],
-        )
+        num_pages, _, heads, head_dim = cache_dims(cache, kv_layout)
         box = ([num_pages, page_size, heads, head_dim], list(strides), [1, block_n, 1, block_d])
         TensorDescriptor(cache, *box)  # the hardware's rules, checked once
         boxes.append(box)
