@@ -10,6 +10,11 @@ append_kv cases (valid, with bad slots) and the failures of each.
     python scripts/fuzz.py --valid 10000 --corrupt 1000 --seconds 300
     compute-sanitizer --tool memcheck python scripts/fuzz.py --valid 20 --corrupt 200
 
+``--suite-batch N`` replays the cases of ``tests/test_robustness.py``'s fuzz batch ``N`` (its
+300 cases in 30 batches, as on a GPU) one at a time, each described before it runs and synced
+after its decode and its write, so a fault is laid at the case and call that made it (under
+``compute-sanitizer``, with the kernel and address).
+
 ``--backend gluon`` prefers the Hopper family for every step it covers (as
 ``tests/test_robustness.py``'s ``gluon`` cases do), ``triton`` the portable one; ``auto`` (the
 default) as ``paged_decode`` chooses by default.
@@ -65,6 +70,23 @@ def fuzz(
     return done, failures
 
 
+def replay_suite_batch(batch: int, cases: int = 300, batches: int = 30) -> int:
+    """The suite's fuzz batch ``batch`` (``test_fuzz_random_corruptions``), case by case."""
+    device = torch.device("cuda")
+    rng = random.Random(1000 + batch)
+    for i in range(cases // batches + (batch < cases % batches)):
+        geometry = rng.choice(testing.COMPILED_GEOMETRIES)
+        case = testing.random_case(rng, device, geometry)
+        if rng.random() < 0.8:
+            case = testing.corrupt(case, rng)
+        print(f"case {i}: {case.describe()}", flush=True)
+        for part, check in (("decode", testing.check_decode), ("append", testing.check_append)):
+            check(case)
+            torch.cuda.synchronize()
+            print(f"case {i}: {part} ok", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--valid", type=int, default=1000, help="valid cases (default 1000)")
@@ -77,7 +99,11 @@ def main() -> int:
     parser.add_argument(
         "--workers", type=int, default=1, help="processes sharing the GPU (host-bound checks)"
     )
+    parser.add_argument("--suite-batch", type=int, default=None, help="replay a suite batch")
     args = parser.parse_args()
+    if args.suite_batch is not None:
+        with using_backend(args.backend):
+            return replay_suite_batch(args.suite_batch)
     n = args.workers
     shares = [
         (

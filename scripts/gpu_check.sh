@@ -6,7 +6,7 @@
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $RESULTS (default
 # /tmp/gpu_check_out).
 #   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|append|fa3|cb|host|all|
-#   steady|robust|profile|budget|ab|ab_src|ab_multi] [args]
+#   steady|robust|repro|quick|profile|budget|ab|ab_src|ab_multi] [args]
 # (several modes in one run: comma-separated, e.g. append,fa3,cb,steady, each with its summary;
 # append: append_kv against the copy ceiling, benchmarks/micro.py append; fa3: FlashInfer's FA3
 # backend beside pagedattn and XQA, FP8 and bf16 KV (FA3_BENCH_ARGS replace its cases); cb:
@@ -189,9 +189,41 @@ if [[ $MODE == steady ]]; then
 fi
 
 if [[ $MODE == host || $MODE == all || $MODE == profile ]]; then
-  # Wall time of each eager call (paged_decode, plan_decode reuse=, append_kv), warm path.
-  python3 scripts/host_overhead.py >"$RESULTS/host.txt" 2>&1
+  # Wall time of each eager call (paged_decode, plan_decode reuse=, append_kv), warm path,
+  # beside FlashInfer's and XQA's calls and a bare launch, with where each call's time goes;
+  # HOST_BASE=DIR: also with the sources in DIR (a checkout's src/), in the same run.
+  timeout "${HOST_SECONDS:-240}" python3 scripts/host_overhead.py --peers --profile \
+    >"$RESULTS/host.txt" 2>&1
   summary+=("host: $(grep -E '^[a-z_.0-9]+: ' "$RESULTS/host.txt" | tr '\n' ' ')")
+  if [[ -n ${HOST_BASE:-} ]]; then
+    PYTHONPATH=$PWD/$HOST_BASE/src:${PYTHONPATH#*:} timeout "${HOST_SECONDS:-240}" \
+      python3 scripts/host_overhead.py --peers --profile >"$RESULTS/host_base.txt" 2>&1
+    summary+=("host ($HOST_BASE): $(grep -E '^[a-z_.0-9]+: ' "$RESULTS/host_base.txt" |
+      tr '\n' ' ')")
+  fi
+fi
+
+if [[ $MODE == repro ]]; then
+  # The suite's fuzz batches REPRO_BATCHES replayed case by case, the Hopper family preferred,
+  # under compute-sanitizer: the case, call, kernel and address of a bad access.
+  for batch in ${REPRO_BATCHES:-13 21}; do
+    timeout "${REPRO_SECONDS:-240}" compute-sanitizer --tool memcheck --print-limit 10 \
+      python3 scripts/fuzz.py --backend "${REPRO_BACKEND:-gluon}" --suite-batch "$batch" \
+      >"$LOGS/repro_$batch.log" 2>&1
+    summary+=("repro batch $batch (rc $?): $(grep -E 'ERROR SUMMARY' "$LOGS/repro_$batch.log")")
+    grep -B3 -A20 -m1 "Invalid\|Error" "$LOGS/repro_$batch.log" | head -50
+    cp "$LOGS/repro_$batch.log" "$RESULTS"/
+  done
+fi
+
+if [[ $MODE == quick ]]; then
+  # A few test files (QUICK_TESTS), e.g. the launch path's, before the whole suite.
+  # shellcheck disable=SC2086
+  timeout "${QUICK_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n 6 -x \
+    ${QUICK_TESTS:-tests/test_host_path.py tests/test_gluon.py} >"$LOGS/quick.log" 2>&1
+  summary+=("quick: $(tail -1 "$LOGS/quick.log")")
+  grep -E "^(FAILED|ERROR)|Error" "$LOGS/quick.log" | head -20
+  cp "$LOGS/quick.log" "$RESULTS"/
 fi
 
 if [[ $MODE == profile ]]; then

@@ -1,19 +1,35 @@
 """Host time of the public calls on a warm path: what an engine pays per eager call.
 
-    python3 scripts/host_overhead.py           # on a CUDA GPU: wall time of each call
-    python3 scripts/host_overhead.py --cpu     # the Python alone, kernel launches as no-ops
-    python3 scripts/host_overhead.py --profile # and the top functions by own time
+    python3 scripts/host_overhead.py            # on a CUDA GPU: wall time of each call
+    python3 scripts/host_overhead.py --peers    # and FlashInfer's and XQA's calls beside them
+    python3 scripts/host_overhead.py --profile  # and where each call's time goes
+    python3 scripts/host_overhead.py --cpu --family hopper|portable
+                                                # the Python alone, kernel launches as no-ops
 
 Each call is timed alone, ``--samples`` times (after a sync on a GPU, so the queue is empty),
-and the median printed as ``NAME: X.X us``: ``paged_decode`` (with a plan),
-``plan_decode_reuse`` (``plan_decode(reuse=plan)``), ``plan_decode`` (a fresh plan),
-``append_kv`` (FP8 per-token and bf16 caches) and, for scale, ``torch.empty``. The step is
-the seed's shape at batch 64: 16 query heads on one kv head, head_dim 128, page 16, FP8 KV.
+and the median printed as ``NAME: X.X us``. The step is the seed's shape at batch 64: 16 query
+heads on one kv head, head_dim 128, page 16, 1024 tokens a sequence, FP8 KV with a per-tensor
+scale (``paged_decode``) and a bf16 cache (``paged_decode_bf16``):
 
-``--cpu`` runs the same calls on CPU tensors (Triton's interpreter path) with every kernel
-launch replaced by a no-op: what is left is the Python of the call (checks or the signature
-compare, argument assembly, the output's allocation), without the launch itself (on a GPU,
-the compiled handle's launch adds a few µs).
+- ``paged_decode``, ``paged_decode_bf16``: with a plan made for the step;
+- ``plan_decode_reuse``: ``plan_decode(reuse=plan)``; ``plan_decode``: a fresh plan;
+- ``append_kv``: one new token a sequence into the FP8 cache (per-tensor scale),
+  ``append_kv_bf16`` into the bf16 one, ``append_kv_token`` into an FP8 cache with per-token
+  scales;
+- ``launch_floor``: one launch of a trivial compiled kernel through the launch every call
+  above uses (``pagedattn.launch.BoundLaunch``); ``triton_compiled_handle``: the same kernel
+  through Triton's own compiled handle (``compiled[grid](...)``); ``torch.empty``;
+- with ``--peers`` (FlashInfer installed): ``flashinfer_decode_run`` (its decode wrapper's
+  ``run()`` on the same step: FP8 per-tensor, and ``_bf16``), ``flashinfer_append``
+  (``append_paged_kv_cache`` into the bf16 cache), ``xqa_decode`` (XQA through FlashInfer,
+  FP8 per-tensor).
+
+``--cpu`` runs the same calls on CPU tensors with every kernel launch a no-op, the family
+chosen by ``--family``: what is left is the Python of the call (the signature compare,
+argument assembly, descriptors, the output's allocation). For the Hopper family the device's
+capability is stood in (the family runs only on sm_90), its first launch stands in for
+Triton's JIT, and later ones go through the same direct launch as on a GPU, its launcher a
+no-op.
 """
 
 from __future__ import annotations
@@ -30,9 +46,171 @@ import time
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="CPU tensors, launches as no-ops")
+    parser.add_argument(
+        "--family", choices=("hopper", "portable"), default=None,
+        help="the kernel family (default: the library's choice; on the CPU, portable)",
+    )  # fmt: skip
     parser.add_argument("--samples", type=int, default=2000, help="calls timed per entry")
-    parser.add_argument("--profile", action="store_true", help="print the top functions")
+    parser.add_argument("--peers", action="store_true", help="FlashInfer's and XQA's calls too")
+    parser.add_argument("--profile", action="store_true", help="where each call's time goes")
     return parser.parse_args(argv)
+
+
+def stand_in_launches(hopper: bool) -> None:
+    """On the CPU: every launch a no-op. The first call of each launch stands in for Triton's
+    JIT and gives it a direct launch whose launcher does nothing (descriptors encoded as
+    Triton encodes them without a GPU); with ``hopper``, the Hopper family is let run on the
+    CPU device."""
+    import torch
+
+    from pagedattn import backend
+    from pagedattn.launch import BoundLaunch, DirectLaunch, constexpr_names
+
+    def noop(*args):
+        return None
+
+    def call(self, *args):
+        direct = self.direct
+        if direct is not None:
+            direct(*args)
+            return
+        values = tuple(self.constexprs[name] for name in constexpr_names(self.kernel))
+        head = (0, False, self.options["launch_pdl"], None, None, (4, 1, 0))
+        self.direct = DirectLaunch(None, self.grid, noop, head, values, [None, None])
+
+    BoundLaunch.__call__ = call
+    if hopper:
+        backend._hopper_reasons[torch.device("cpu")] = None
+
+
+def step_inputs(device, kv_dtype: str, kv_scale, gen):
+    """The step's cache, query, plan shape and new tokens' slots."""
+    import torch
+
+    from pagedattn.bench.cases import Case
+    from pagedattn.bench.run import make_cache, make_query
+
+    case = Case(batch=64, context=1024, page_size=16, kv_dtype=kv_dtype, kv_scale=kv_scale)
+    cache = make_cache(case, device, gen)
+    q = make_query(case, device, gen)
+    page = case.page_size
+    # Each sequence's last slot (its newest token).
+    last = cache.seq_lens.long() - 1
+    slots = cache.block_table.long().gather(1, (last // page)[:, None])[:, 0] * page + last % page
+    k_new = torch.randn(case.batch, case.num_kv_heads, case.head_dim, generator=gen, device=device)
+    return case, cache, q, slots, k_new.to(torch.bfloat16), k_new.flip(0).to(torch.bfloat16)
+
+
+def pagedattn_calls(device, gen) -> dict:
+    import torch
+
+    import pagedattn
+
+    calls = {}
+    for kv_dtype, kv_scale, suffix in (("fp8", "per_tensor", ""), ("bf16", None, "_bf16")):
+        case, cache, q, slots, k_new, v_new = step_inputs(device, kv_dtype, kv_scale, gen)
+        shape = case.plan_kwargs()
+        plan = pagedattn.plan_decode(cache.seq_lens, **shape)
+        decode_args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
+        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+        def decode(decode_args=decode_args, plan=plan, scales=scales):
+            return pagedattn.paged_decode(*decode_args, plan=plan, **scales)
+
+        calls["paged_decode" + suffix] = decode
+        if not suffix:
+            calls["plan_decode_reuse"] = lambda s=shape, c=cache, p=plan: pagedattn.plan_decode(
+                c.seq_lens, **s, reuse=p
+            )
+            calls["plan_decode"] = lambda s=shape, c=cache: pagedattn.plan_decode(c.seq_lens, **s)
+        fp8 = dict(kv_scale="per_tensor", **scales) if kv_dtype == "fp8" else {}
+
+        def append(k=k_new, v=v_new, c=cache, s=slots, fp8=fp8):
+            return pagedattn.append_kv(k, v, c.k_cache, c.v_cache, s, **fp8)
+
+        calls["append_kv" + suffix] = append
+    # A cache with per-token scales: the scale of each written row is computed and written.
+    _, cache, _, slots, k_new, v_new = step_inputs(device, "fp8", "per_token", gen)
+    calls["append_kv_token"] = lambda: pagedattn.append_kv(
+        k_new, v_new, cache.k_cache, cache.v_cache, slots, kv_scale="per_token",
+        k_scale=cache.k_scale, v_scale=cache.v_scale,
+    )  # fmt: skip
+    calls["torch.empty"] = lambda: torch.empty(1000, device=device)
+    return calls
+
+
+def floor_calls(device) -> dict:
+    """One bare launch of a trivial kernel: through BoundLaunch, and through Triton's own
+    compiled handle."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from pagedattn.launch import BoundLaunch
+
+    @triton.jit
+    def floor_kernel(x_ptr, n):
+        if n < 0:  # never: the kernel does nothing
+            tl.store(x_ptr, n)
+
+    x = torch.zeros(1, dtype=torch.int32, device=device)
+    bound = BoundLaunch(floor_kernel, (1,), num_warps=1)
+    compiled = floor_kernel[(1,)](x, 0, num_warps=1)
+    return {
+        "launch_floor": lambda: bound(x, 0),
+        "triton_compiled_handle": lambda: compiled[(1, 1, 1)](x, 0),
+    }
+
+
+def peer_calls(device, gen) -> dict:
+    """FlashInfer's decode wrapper's run(), its append_paged_kv_cache and XQA, on the step."""
+    from pagedattn.bench.providers import FlashInferProvider, Inputs, KVCopy, XQAProvider
+
+    calls = {}
+    for kv_dtype, kv_scale, suffix in (("fp8", "per_tensor", ""), ("bf16", None, "_bf16")):
+        case, cache, q, _, k_new, v_new = step_inputs(device, kv_dtype, kv_scale, gen)
+        copy = KVCopy(cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)
+        inputs = Inputs(case, q, cache.block_table, cache.seq_lens, [copy])
+        calls["flashinfer_decode_run" + suffix] = FlashInferProvider().prepare(inputs)(copy)
+        if kv_dtype == "fp8":
+            calls["xqa_decode"] = XQAProvider().prepare(inputs)(copy)
+        else:
+            calls["flashinfer_append"] = flashinfer_append(case, cache, k_new, v_new)
+    return calls
+
+
+def flashinfer_append(case, cache, k_new, v_new):
+    """FlashInfer's ``append_paged_kv_cache`` of one new token a sequence (its last)."""
+    import flashinfer
+    import torch
+
+    import pagedattn
+
+    device = cache.k_cache.device
+    kv_indptr, kv_indices = pagedattn.block_table_to_indptr(
+        cache.block_table, cache.seq_lens, case.page_size
+    )
+    last_page_len = ((cache.seq_lens - 1) % case.page_size + 1).to(torch.int32)
+    batch_indices = torch.arange(case.batch, dtype=torch.int32, device=device)
+    positions = (cache.seq_lens - 1).to(torch.int32)
+    kv = (cache.k_cache, cache.v_cache)
+    return lambda: flashinfer.append_paged_kv_cache(
+        k_new, v_new, batch_indices, positions, kv, kv_indices, kv_indptr, last_page_len,
+        kv_layout="NHD",
+    )  # fmt: skip
+
+
+def time_calls(calls: dict, samples: int, sync) -> None:
+    for name, fn in calls.items():
+        fn()  # warm: compiles, checks once, prepares the launch
+        fn()
+        times = []
+        for _ in range(samples):
+            sync()
+            start = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - start)
+        print(f"{name}: {statistics.median(times) / 1000:.1f} us", flush=True)
 
 
 def main(argv=None) -> None:
@@ -41,65 +219,41 @@ def main(argv=None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    import pagedattn
-    from pagedattn.bench.cases import Case
-    from pagedattn.bench.run import make_cache, make_query
-    from pagedattn.launch import BoundLaunch
+    from pagedattn.backend import using_backend
 
     device = torch.device("cpu" if args.cpu else "cuda")
     if args.cpu:
-        # Every launch (scheduler, decode, reducer, cache write) goes through BoundLaunch.
-        BoundLaunch.__call__ = lambda self, *launch_args: None
-
+        stand_in_launches(hopper=args.family == "hopper")
+    family = {"hopper": "gluon", "portable": "triton", None: "auto"}[args.family]
     gen = torch.Generator(device=device).manual_seed(0)
-    case = Case(batch=64, context=1024, page_size=16, kv_scale="per_token")
-    batch, kv_heads, head_dim, page = case.batch, case.num_kv_heads, case.head_dim, case.page_size
-    shape = case.plan_kwargs()
-    cache = make_cache(case, device, gen)
-    q = make_query(case, device, gen)
-    k_new = torch.randn(batch, kv_heads, head_dim, generator=gen, device=device)
-    k_new, v_new = k_new.to(torch.bfloat16), k_new.flip(0).to(torch.bfloat16)
-    # Each sequence's last slot (its newest token).
-    last = cache.seq_lens.long() - 1
-    slots = cache.block_table.long().gather(1, (last // page)[:, None])[:, 0] * page + last % page
-    bf16_k = torch.zeros(cache.k_cache.shape, dtype=torch.bfloat16, device=device)
-    bf16_v = torch.zeros_like(bf16_k)
-    plan = pagedattn.plan_decode(cache.seq_lens, **shape)
-    decode_args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
-    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    calls = {
-        "paged_decode": lambda: pagedattn.paged_decode(*decode_args, plan=plan, **scales),
-        "plan_decode_reuse": lambda: pagedattn.plan_decode(cache.seq_lens, **shape, reuse=plan),
-        "plan_decode": lambda: pagedattn.plan_decode(cache.seq_lens, **shape),
-        "append_kv": lambda: pagedattn.append_kv(
-            k_new, v_new, cache.k_cache, cache.v_cache, slots, kv_scale="per_token", **scales
-        ),
-        "append_kv_bf16": lambda: pagedattn.append_kv(k_new, v_new, bf16_k, bf16_v, slots),
-        "torch.empty": lambda: torch.empty(1000, device=device),
-    }
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     where = "CPU, launches as no-ops" if args.cpu else torch.cuda.get_device_name(device)
-    print(f"# host time per call, median of {args.samples} ({where}; batch {batch})")
-    for name, fn in calls.items():
-        fn()  # warm: compiles, checks once, prepares the launch
-        fn()
-        times = []
-        for _ in range(args.samples):
-            sync()
-            start = time.perf_counter_ns()
-            fn()
-            times.append(time.perf_counter_ns() - start)
-        print(f"{name}: {statistics.median(times) / 1000:.1f} us", flush=True)
-    if args.profile:
-        for name in ("paged_decode", "plan_decode_reuse", "append_kv"):
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.samples):
-                calls[name]()
-            prof.disable()
-            sync()
-            print(f"\n== {name}: top functions by own time ({args.samples} calls)")
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
+    print(
+        f"# host time per call, median of {args.samples} ({where}; family {args.family or 'auto'}"
+        f"; batch 64, page 16, torch {torch.__version__})"
+    )
+    with using_backend(family):
+        calls = pagedattn_calls(device, gen)
+        if not args.cpu:
+            calls.update(floor_calls(device))
+        if args.peers:
+            calls.update(peer_calls(device, gen))
+        time_calls(calls, args.samples, sync)
+        if args.cpu:
+            from pagedattn.decode import _DECODE_STEPS
+
+            families = sorted({step.family for step in _DECODE_STEPS.values()})
+            print(f"# decode family: {', '.join(families)}")
+        if args.profile:
+            for name in ("paged_decode", "plan_decode_reuse", "append_kv"):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.samples):
+                    calls[name]()
+                prof.disable()
+                sync()
+                print(f"\n== {name}: top functions by own time ({args.samples} calls)")
+                pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":

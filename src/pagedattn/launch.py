@@ -537,8 +537,9 @@ def decode_launch(kernel, args: tuple, plan, dtypes: tuple, *, pdl_flag: bool, *
 class BoundLaunch:
     """One kernel launch fixed but for its runtime arguments: the kernel, grid, constexprs and
     launch options. The first call goes through Triton's JIT (which compiles or finds the
-    kernel); later calls launch the compiled handle it returned, skipping the JIT's per-call
-    binding and cache lookup (host time: docs/performance-log.md, "Host time"). Under the
+    kernel); later calls go through :attr:`direct` (Triton's C launcher with everything fixed
+    packed once, :class:`DirectLaunch`) where this Triton allows it, else through the compiled
+    handle's ``[grid]`` (host time: docs/performance-log.md, "Host time"). Under the
     interpreter every call goes through the JIT.
 
     A caller keeps one per call signature: everything Triton specialises the runtime arguments
@@ -546,10 +547,11 @@ class BoundLaunch:
     bits) must be fixed by that signature (``pagedattn.checks.tensor_key`` covers tensors;
     the ints a caller passes follow from shapes and strides). Arguments are passed
     positionally in the kernel's parameter order; the constexprs, all of them, by keyword
-    here, and the kernel takes them last.
+    here, and the kernel takes them last. A kernel that takes bulk-copy descriptors gets, once
+    :attr:`direct` is set, each descriptor as :meth:`DirectLaunch.descriptor` expands it.
     """
 
-    __slots__ = ("compiled", "constexprs", "grid", "kernel", "options", "values")
+    __slots__ = ("compiled", "constexprs", "direct", "grid", "kernel", "options", "values")
 
     def __init__(self, kernel, grid: tuple, *, num_warps: int, launch_pdl: bool = False, **named):
         self.kernel = kernel
@@ -560,8 +562,13 @@ class BoundLaunch:
         self.constexprs = named
         self.values = ()
         self.compiled = None
+        self.direct: DirectLaunch | None = None
 
     def __call__(self, *args) -> None:
+        direct = self.direct
+        if direct is not None:
+            direct(*args)
+            return
         compiled = self.compiled
         if compiled is not None:
             compiled[self.grid](*args, *self.values)
@@ -569,12 +576,126 @@ class BoundLaunch:
         result = self.kernel[self.grid](*args, **self.constexprs, **self.options)
         if not interpreting():
             # The compiled handle takes the constexprs positionally, in parameter order.
-            self.values = tuple(self.constexprs[name] for name in _constexpr_names(self.kernel))
+            self.values = tuple(self.constexprs[name] for name in constexpr_names(self.kernel))
             self.compiled = result
+            self.direct = DirectLaunch.make(result, self.grid, self.values)
 
 
-@functools.cache
-def _constexpr_names(kernel) -> tuple[str, ...]:
-    # The same under the interpreter, whose kernels have no ``params``.
+# Triton releases whose C launcher DirectLaunch is written for (the arguments of the launcher's
+# ``launch`` and the tensor-descriptor wrapper around it are Triton's internals).
+DIRECT_TRITON = ("3.6.",)
+
+
+class DirectLaunch:
+    """A compiled kernel's launch through Triton's C launcher with everything fixed packed once:
+    grid, function handle, launch options and metadata, constexpr values. Per call it reads
+    the current device's stream and calls the launcher, skipping what ``compiled[grid](...)``
+    does besides (a closure per call, the launch-metadata dictionary, the enter and exit hooks
+    when none is registered, the scratch allocators when the kernel needs none, and each
+    bulk-copy descriptor's encoding, which :meth:`descriptor` does once an address). The
+    launch stays visible to profilers: it is the same ``cuLaunchKernelEx``, and Triton's launch
+    hooks, when registered, are called as Triton calls them.
+
+    Made by :meth:`make` from a compiled kernel, or None where this Triton or the kernel
+    needs Triton's own path (another release, global or profile scratch memory)."""
+
+    __slots__ = ("compiled", "descriptors", "grid", "head", "launcher", "metas", "tail")
+
+    # Descriptors kept per launch (by cache address) before all are forgotten.
+    MAX_DESCRIPTORS = 1024
+
+    @classmethod
+    def make(cls, compiled, grid: tuple, values: tuple) -> DirectLaunch | None:
+        import triton
+
+        if not triton.__version__.startswith(DIRECT_TRITON):
+            return None
+        run = compiled.run
+        metadata = compiled.metadata
+        if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+            return None
+        launcher = run.launch
+        # With tensor descriptors, Triton wraps its C launcher in a function that encodes each
+        # descriptor per call; the C launcher is the wrapper's ``launcher``.
+        code = getattr(launcher, "__code__", None)
+        if code is not None:
+            if "launcher" not in code.co_freevars:
+                return None
+            launcher = launcher.__closure__[code.co_freevars.index("launcher")].cell_contents
+        signature = compiled.src.signature
+        count = sum(str(kind).startswith("tensordesc") for kind in signature.values())
+        metas = getattr(metadata, "tensordesc_meta", None) or [None] * count
+        head = (
+            compiled.function,
+            run.launch_cooperative_grid,
+            run.launch_pdl,
+            None,  # global scratch
+            None,  # profile scratch
+            compiled.packed_metadata,
+        )
+        return cls(compiled, grid, launcher, head, values, metas)
+
+    def __init__(self, compiled, grid, launcher, head, tail, metas):
+        self.compiled = compiled
+        self.grid = grid
+        self.launcher = launcher
+        self.head = head
+        self.tail = tail
+        self.metas = tuple(metas)
+        self.descriptors: dict = {}
+
+    def __call__(self, *args) -> None:
+        stream = _raw_stream(_current_device())
+        enter = _RUNTIME_KNOBS.launch_enter_hook
+        exit_hook = _RUNTIME_KNOBS.launch_exit_hook
+        # (Triton 3.6 keeps its launch hooks in chains, called only when one is registered.)
+        if not (getattr(enter, "calls", True) or getattr(exit_hook, "calls", True)):
+            self.launcher(*self.grid, stream, *self.head, None, None, None, *args, *self.tail)
+            return
+        launch_metadata = self.compiled.launch_metadata(self.grid, stream, *args, *self.tail)
+        self.launcher(
+            *self.grid, stream, *self.head, launch_metadata, enter, exit_hook, *args, *self.tail
+        )
+
+    def descriptor(self, index: int, key, make, *make_args) -> tuple:
+        """The launcher's arguments for the kernel's ``index``-th descriptor parameter:
+        ``make(*make_args)``'s descriptor encoded once per ``key`` (the caller's: the cache's
+        address, for a launch whose signature fixes the rest of the descriptor) and kept, at
+        most ``MAX_DESCRIPTORS`` of them. What is kept holds no reference to the cache: its
+        address as an int, the encoded descriptor, its shape and strides."""
+        found = self.descriptors.get((index, key))
+        if found is None:
+            found = _encode(make(*make_args), self.metas[index])
+            self.descriptors[(index, key)] = found
+            if len(self.descriptors) > self.MAX_DESCRIPTORS:
+                self.descriptors.clear()
+                self.descriptors[(index, key)] = found
+        return found
+
+
+def _encode(desc, meta) -> tuple:
+    """A descriptor as Triton's launcher takes it (its ``make_tensordesc_arg``), with any
+    tensor in it replaced by its address."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return tuple(
+        a.data_ptr() if isinstance(a, torch.Tensor) else a for a in make_tensordesc_arg(desc, meta)
+    )
+
+
+def _knobs():
+    from triton import knobs
+
+    return knobs.runtime
+
+
+_RUNTIME_KNOBS = _knobs()
+_current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: 0)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
+
+
+def constexpr_names(kernel) -> tuple[str, ...]:
+    """The names of a kernel's constexpr parameters, in order (under the interpreter too,
+    whose kernels have no ``params``)."""
     signature = inspect.signature(getattr(kernel, "fn", kernel))
     return tuple(p.name for p in signature.parameters.values() if "constexpr" in str(p.annotation))

@@ -507,8 +507,8 @@ class HopperStep:
         )
         self.launch = decode_launch(
             gluon_decode_kernel,
-            self._args(q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
-                       out, lse, trace),
+            self._args(self._descriptors(None, k_cache, v_cache), q, block_table, seq_lens,
+                       plan, k_scale, v_scale, out, lse, trace),
             plan,
             (q.dtype, k_cache.dtype, out.dtype),
             pdl_flag=False,  # the kernel always waits for the grid before it
@@ -518,10 +518,22 @@ class HopperStep:
         )  # fmt: skip
         self.reduce = ReduceStep(plan, out, lse, reduce_config)
 
+    def _descriptors(self, direct, k_cache, v_cache) -> tuple:
+        """The kernel's K and V descriptor arguments: descriptors for Triton's JIT (``direct``
+        None), else as the direct launch takes them, encoded once a cache address."""
+        k_box, v_box = self.boxes
+        if direct is None:
+            return descriptor(k_cache, k_box), descriptor(v_cache, v_box)
+        return (
+            *direct.descriptor(0, k_cache.data_ptr(), descriptor, k_cache, k_box),
+            *direct.descriptor(1, v_cache.data_ptr(), descriptor, v_cache, v_box),
+        )
+
     def _args(
-        self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, out, lse, trace
+        self, descriptors, q, block_table, seq_lens, plan, k_scale, v_scale, out, lse, trace
     ) -> tuple:
-        """The kernel's runtime arguments, in its parameter order."""
+        """The kernel's runtime arguments, in its parameter order (``descriptors``: from
+        :meth:`_descriptors`)."""
         q_strides, k_scale_strides, v_scale_strides, table, out_strides, lse_stride, scale = (
             self.ints
         )
@@ -529,8 +541,7 @@ class HopperStep:
         return (
             q,
             *q_strides,
-            descriptor(k_cache, self.boxes[0]),
-            descriptor(v_cache, self.boxes[1]),
+            *descriptors,
             k_scale if k_scale is not None else plan.partials,  # a 16-bit cache: never read
             *k_scale_strides,
             v_scale if v_scale is not None else plan.partials,
@@ -558,8 +569,10 @@ class HopperStep:
     ) -> None:  # fmt: skip
         if self.contiguous_q:
             q = q.contiguous()
-        self.launch(
-            *self._args(q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
-                        out, lse, trace)
+        launch = self.launch
+        descriptors = self._descriptors(launch.direct, k_cache, v_cache)
+        launch(
+            *self._args(descriptors, q, block_table, seq_lens, plan, k_scale, v_scale, out, lse,
+                        trace)
         )  # fmt: skip
         self.reduce(plan, out, lse, None, None)

@@ -219,7 +219,7 @@ class PortableStep:
         )
         self.launch = decode_launch(
             _decode_kernel,
-            self._args(*call.tensors()),
+            self._args(None, *call.tensors()),
             plan,
             (q.dtype, k_cache.dtype, out.dtype),
             pdl_flag=True,
@@ -230,18 +230,24 @@ class PortableStep:
         )
 
     def _args(
-        self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+        self, direct, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, out, lse, trace,
     ) -> tuple:  # fmt: skip
-        """The decode kernel's runtime arguments, in its parameter order."""
+        """The decode kernel's runtime arguments, in its parameter order: for Triton's JIT
+        (``direct`` None), else for that direct launch (descriptors as it takes them)."""
         if self.fnuz_bits:
             k_cache = k_cache.view(torch.float8_e4m3fn)
             v_cache = v_cache.view(torch.float8_e4m3fn)
         boxes = self.boxes
         if boxes is None:
-            k_desc, v_desc = k_cache, v_cache
+            descriptors = (k_cache, v_cache)  # not read without bulk copies
+        elif direct is None:
+            descriptors = (descriptor(k_cache, boxes[0]), descriptor(v_cache, boxes[1]))
         else:
-            k_desc, v_desc = descriptor(k_cache, boxes[0]), descriptor(v_cache, boxes[1])
+            descriptors = (
+                *direct.descriptor(0, k_cache.data_ptr(), descriptor, k_cache, boxes[0]),
+                *direct.descriptor(1, v_cache.data_ptr(), descriptor, v_cache, boxes[1]),
+            )
         (
             q_tok, q_head, q_dim,
             k_page, k_slot, k_head, k_dim,
@@ -255,7 +261,7 @@ class PortableStep:
         out_tok, out_head, lse_tok, lse_offset, scale, cap_scale, cap_inv, window = self.scale_ints
         return (
             q, q_tok, q_head, q_dim,
-            k_desc, v_desc,
+            *descriptors,
             k_cache, k_page, k_slot, k_head, k_dim,
             v_cache, v_page, v_slot, v_head, v_dim,
             # Without scales the kernel never reads these pointers; any tensor will do.
@@ -289,10 +295,11 @@ class PortableStep:
         self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, out, lse, trace,
     ) -> None:  # fmt: skip
-        self.launch(
+        launch = self.launch
+        launch(
             *self._args(
-                q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
-                query_start_loc, out, lse, trace,
+                launch.direct, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale,
+                v_scale, sinks, query_start_loc, out, lse, trace,
             )
         )  # fmt: skip
         self.reduce(plan, out, lse, sinks, query_start_loc)
