@@ -86,6 +86,12 @@ def hopper_reason(device: torch.device) -> str | None:
     return _hopper_reasons[device]
 
 
+def auto_backend() -> str:
+    """What ``backend="auto"`` prefers here: "auto" (the default), or what
+    :func:`using_backend` set."""
+    return _AUTO_BACKEND.get()
+
+
 def preferred_family(backend: str = "auto") -> tuple[str, bool]:
     """The family ``backend`` prefers ("triton" or "gluon"), and whether only by default (then
     the Hopper family takes only the steps :func:`hopper_shape` allows by default)."""

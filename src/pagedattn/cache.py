@@ -22,7 +22,7 @@ from . import checks
 from ._kernels.append import _append_kv_kernel
 from ._kernels.common import interpreting
 from .backend import through_ops
-from .checks import remember, tensor_key
+from .checks import remember, signature_int, tensor_key, tensor_sig
 from .launch import BoundLaunch, cache_strides, next_power_of_2, scale_strides
 
 __all__ = [
@@ -530,13 +530,13 @@ def append_kv(
     try:
         # The fast path: a call like an earlier one reuses its checked, prepared launch.
         key = (
-            tensor_key(k),
-            tensor_key(v),
-            tensor_key(k_cache),
-            tensor_key(v_cache),
-            tensor_key(slot_mapping),
-            tensor_key(k_scale),
-            tensor_key(v_scale),
+            signature_int(tensor_key(k)),  # (new tensors each call: read in full)
+            signature_int(tensor_key(v)),
+            tensor_sig(k_cache),
+            tensor_sig(v_cache),
+            tensor_sig(slot_mapping),
+            tensor_sig(k_scale),
+            tensor_sig(v_scale),
             kv_layout,
             kv_scale,
             debug is True,

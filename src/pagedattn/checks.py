@@ -9,8 +9,10 @@ themselves (faults, see ``plan.py``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -99,6 +101,47 @@ class DecodeCall(NamedTuple):
             *self[:6], self.k_scale, self.v_scale, self.sinks, self.query_start_loc, self.out,
             self.lse, self.trace,
         )  # fmt: skip
+
+
+# Signatures (tensor_key) by a small int, and each tensor seen by tensor_sig by its identity:
+# (a weak reference, its version counter, its address, its signature's int).
+_SIGNATURES: dict[tuple, int] = {}
+_SEEN: dict[int, tuple] = {}
+_NEXT_SIGNATURE = itertools.count()
+MAX_SEEN = 4096
+
+
+def tensor_sig(x) -> int | None:
+    """:func:`tensor_key` as a small int (equal ints, equal keys), found without reading the
+    tensor's shape and strides again when the same tensor object comes back with the same
+    version counter (which every in-place change of its data, shape or strides bumps) and
+    address: what a call's fast path keys the tensors on that come back call after call (caches,
+    block table, lengths, scales). A tensor made in inference mode has no version counter and
+    is read in full each time. ``None`` stays ``None``; anything else that is not a tensor
+    raises ``AttributeError`` (see :func:`tensor_key`)."""
+    if x is None:
+        return None
+    seen = _SEEN.get(id(x))
+    if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == x.data_ptr():
+        return seen[3]
+    sig = signature_int(tensor_key(x))
+    if not x.is_inference():
+        if len(_SEEN) >= MAX_SEEN:
+            _SEEN.clear()
+        _SEEN[id(x)] = (weakref.ref(x), x._version, x.data_ptr(), sig)
+    return sig
+
+
+def signature_int(key) -> int:
+    """A small int for ``key``, the same for equal keys (never reused for another key: after
+    ``MAX_SIGNATURES`` keys all are forgotten, with every tensor seen, and new ints follow)."""
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        if len(_SIGNATURES) >= MAX_SIGNATURES:
+            _SIGNATURES.clear()
+            _SEEN.clear()
+        sig = _SIGNATURES[key] = next(_NEXT_SIGNATURE)
+    return sig
 
 
 def tensor_key(x) -> tuple | None:

@@ -17,13 +17,13 @@ import torch
 
 from . import checks
 from .backend import (
+    auto_backend,
     pick_backend,
     portable_features,
-    preferred_family,
     through_ops,
     using_backend,
 )
-from .checks import remember, tensor_key
+from .checks import remember, signature_int, tensor_key, tensor_sig
 from .families.portable import PortableStep
 from .launch import DecodeLaunchConfig
 from .plan import DecodePlan, plan_decode
@@ -212,27 +212,33 @@ def paged_decode(
     trace = _TRACE.get()
     try:
         # The fast path: a call like an earlier one reuses its checked, prepared step.
-        options = (sm_scale, sliding_window, logits_soft_cap, return_lse, debug, exact_qk)
+        if (
+            sm_scale is None and sliding_window is None and logits_soft_cap is None
+            and return_lse is False and debug is False and exact_qk is False
+        ):  # fmt: skip
+            options = None  # the defaults, without a tuple of them
+        else:
+            options = (sm_scale, sliding_window, logits_soft_cap, return_lse, debug, exact_qk)
+            options = (options, tuple(map(type, options)))
         key = (
-            tensor_key(q),
-            tensor_key(k_cache),
-            tensor_key(v_cache),
-            tensor_key(block_table),
-            tensor_key(seq_lens),
-            plan.sizes_key,
+            signature_int(tensor_key(q)),  # (a new tensor each call: read in full)
+            tensor_sig(k_cache),
+            tensor_sig(v_cache),
+            tensor_sig(block_table),
+            tensor_sig(seq_lens),
+            plan.sizes_sig,
             # (The optional tensors, None in most calls, without a call each.)
-            k_scale if k_scale is None else tensor_key(k_scale),
-            v_scale if v_scale is None else tensor_key(v_scale),
-            sinks if sinks is None else tensor_key(sinks),
-            query_start_loc if query_start_loc is None else tensor_key(query_start_loc),
-            out if out is None else tensor_key(out),
-            trace if trace is None else tensor_key(trace),
+            k_scale if k_scale is None else tensor_sig(k_scale),
+            v_scale if v_scale is None else tensor_sig(v_scale),
+            sinks if sinks is None else tensor_sig(sinks),
+            query_start_loc if query_start_loc is None else tensor_sig(query_start_loc),
+            out if out is None else signature_int(tensor_key(out)),
+            trace if trace is None else tensor_sig(trace),
             kv_layout,
             options,
-            tuple(map(type, options)),
             launch_config,
             backend,
-            preferred_family(),
+            auto_backend(),
         )
         step = _DECODE_STEPS.get(key)
     except (AttributeError, TypeError):  # no plan, not a tensor, unhashable: full checks

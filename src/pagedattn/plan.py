@@ -71,7 +71,7 @@ from .backend import (
     preferred_family,
     through_ops,
 )
-from .checks import remember, tensor_key
+from .checks import remember, signature_int, tensor_sig
 from .launch import (
     DEFAULT_PARTITION,
     REDUCE_RUN_RECORDS,
@@ -222,6 +222,11 @@ class DecodePlan:
     def sizes_key(self) -> tuple:
         """The values of ``SIZE_FIELDS``."""
         return tuple(getattr(self, name) for name in self.SIZE_FIELDS)
+
+    @functools.cached_property
+    def sizes_sig(self) -> int:
+        """:attr:`sizes_key` as a small int (``checks.signature_int``), for call keys."""
+        return signature_int(("plan", *self.sizes_key))
 
     @property
     def group(self) -> int:
@@ -567,8 +572,8 @@ def plan_decode(
             partition_size, max_seq_len, batch_invariant,
         )  # fmt: skip
         key = (
-            tensor_key(seq_lens),
-            tensor_key(query_start_loc),
+            tensor_sig(seq_lens),
+            tensor_sig(query_start_loc),
             scalars,
             tuple(map(type, scalars)),
             kv_dtype,
