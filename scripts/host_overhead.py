@@ -64,19 +64,16 @@ def stand_in_launches(hopper: bool) -> None:
     import torch
 
     from pagedattn import backend
-    from pagedattn.launch import BoundLaunch, DirectLaunch, constexpr_names
+    from pagedattn.launch import BoundLaunch, DirectLaunch
 
     def noop(*args):
         return None
 
     def call(self, *args):
-        direct = self.direct
-        if direct is not None:
-            direct(*args)
-            return
-        values = tuple(self.constexprs[name] for name in constexpr_names(self.kernel))
-        head = (0, False, self.options["launch_pdl"], None, None, (4, 1, 0))
-        self.direct = DirectLaunch(None, self.grid, noop, head, values, [None, None])
+        if self.direct is not None:
+            self.direct(*args)
+        else:
+            self.direct = DirectLaunch.around(self, noop)
 
     BoundLaunch.__call__ = call
     if hopper:

@@ -322,3 +322,115 @@ def test_every_kernel_takes_its_constexprs_last():
             "constexpr" in str(p.annotation) for p in inspect.signature(fn).parameters.values()
         ]
         assert kinds == sorted(kinds) and any(kinds), fn.__name__
+
+
+def test_tensor_sig_sees_every_change_of_a_tensor_it_saw():
+    """A tensor that comes back keeps its signature's int without being read again, unless
+    anything a launch depends on changed: in-place changes of its shape, strides or memory
+    (each bumps its version counter), another tensor at its address, another object."""
+    from pagedattn.checks import signature_int, tensor_key, tensor_sig
+
+    def fresh():
+        return torch.zeros(8, 8)
+
+    changes = {
+        "resize_": lambda t: t.resize_(4, 8),
+        "as_strided_": lambda t: t.as_strided_((4, 4), (1, 4)),
+        "t_": lambda t: t.t_(),
+        "unsqueeze_": lambda t: t.unsqueeze_(0),
+        "set_": lambda t: t.set_(torch.zeros(64)[4:].untyped_storage(), 4, (6, 8), (8, 1)),
+        "data": lambda t: setattr(t, "data", torch.zeros(16, 4)),
+    }
+    for what, change in changes.items():
+        x = fresh()
+        sig = tensor_sig(x)
+        assert tensor_sig(x) == sig == signature_int(tensor_key(x)), what
+        change(x)
+        assert tensor_sig(x) == signature_int(tensor_key(x)) != sig, what
+    # Data written in place: the same signature (read again once).
+    x = fresh()
+    sig = tensor_sig(x)
+    x.add_(1)
+    assert tensor_sig(x) == sig
+    # Another object at a dead one's identity, and tensors made in inference mode.
+    for _ in range(50):
+        tensor_sig(torch.zeros(3))
+        y = torch.zeros(5, 2)
+        assert tensor_sig(y) == signature_int(tensor_key(y))
+    with torch.inference_mode():
+        z = torch.zeros(8, 8)
+        assert tensor_sig(z) == signature_int(tensor_key(z))
+        z.resize_(2, 2)
+        assert tensor_sig(z) == signature_int(tensor_key(z))
+
+
+def _values(args) -> list:
+    """A launcher's arguments with each tensor as its address (and a descriptor, which the
+    first call passes to Triton's JIT, as its base's)."""
+    return [
+        _pointer(a) if isinstance(a, torch.Tensor) or hasattr(a, "block_shape") else a for a in args
+    ]
+
+
+def _direct_launches(monkeypatch) -> list:
+    """Every launch through a stand-in direct launch whose launcher records what it gets
+    (after a first call standing in for Triton's JIT)."""
+    launched = []
+
+    def call(self, *args):
+        if self.direct is None:
+            self.direct = launch.DirectLaunch.around(
+                self, lambda *got, kernel=self.kernel: launched.append((kernel, got))
+            )
+        self.direct(*args)
+
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", call)
+    return launched
+
+
+@pytest.mark.parametrize("family", ["portable", "hopper"])
+def test_direct_launch_takes_each_cache_at_its_address(family, monkeypatch):
+    """Through the direct launch (the Hopper family stood in on the CPU), calls of one signature
+    over other caches (another layer's) pass those caches' descriptors, made once an address;
+    a cache changed in place takes a new step whose arguments follow it."""
+    from pagedattn import backend
+    from pagedattn._kernels.decode import _decode_kernel
+    from pagedattn._kernels.hopper.kernel import gluon_decode_kernel
+
+    launched = _direct_launches(monkeypatch)
+    if family == "hopper":
+        monkeypatch.setitem(backend._hopper_reasons, torch.device(DEVICE), None)
+    shape = dict(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=128, query_len=1)
+    shape.update(SCALES)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    caches = []
+    for _ in range(2):
+        cache, q = random_step([300, 17, 129], **shape, device=DEVICE, generator=gen)
+        cache.block_table.copy_(caches[0].block_table if caches else cache.block_table)
+        caches.append(cache)
+    kernel = gluon_decode_kernel if family == "hopper" else _decode_kernel
+    with backend.using_backend("gluon" if family == "hopper" else "triton"):
+        plan = pagedattn.plan_decode(caches[0].seq_lens, **shape)
+        for cache in (*caches, caches[0], caches[1]):
+            launched.clear()
+            _decode(shape, cache, q, plan)
+            (got,) = [args for k, args in launched if k is kernel]
+            # The launcher's arguments: grid (3), stream, then the fixed head (6), hooks (3).
+            args = _values(got[13:])
+            assert cache.k_cache.data_ptr() in args and cache.v_cache.data_ptr() in args
+            other = caches[1] if cache is caches[0] else caches[0]
+            assert other.k_cache.data_ptr() not in args
+        assert len(decode._DECODE_STEPS) == 1
+        (step,) = decode._DECODE_STEPS.values()
+        direct = step.launch.launch.direct
+        if step.launch.boxes is not None:
+            assert len(direct.descriptors) == 4  # K and V of each cache, once each
+        # Fewer pages in place: a new step, its page count passed.
+        k = caches[0].k_cache
+        for x in (k, caches[0].v_cache, caches[0].k_scale, caches[0].v_scale):
+            x.as_strided_((x.shape[0] - 1, *x.shape[1:]), x.stride())
+        launched.clear()
+        _decode(shape, caches[0], q, plan)
+        assert len(decode._DECODE_STEPS) == 2
+        (got,) = [args for kk, args in launched if kk is kernel]
+        assert k.shape[0] in _values(got[13:]) and k.shape[0] + 1 not in _values(got[13:])

@@ -635,6 +635,23 @@ class DirectLaunch:
         )
         return cls(compiled, grid, launcher, head, values, metas)
 
+    @classmethod
+    def around(cls, bound: BoundLaunch, launcher) -> DirectLaunch:
+        """A direct launch of ``bound`` through ``launcher``, a stand-in for a compiled kernel's
+        (to run the host path without a GPU: the CPU measurements and tests). ``launcher``
+        gets what Triton's would; descriptors are encoded as Triton encodes them where it has
+        no descriptor metadata (no GPU call)."""
+        values = tuple(bound.constexprs[name] for name in constexpr_names(bound.kernel))
+        head = (
+            0,
+            False,
+            bound.options["launch_pdl"],
+            None,
+            None,
+            (bound.options["num_warps"], 1, 0),
+        )
+        return cls(None, bound.grid, launcher, head, values, [None, None])
+
     def __init__(self, compiled, grid, launcher, head, tail, metas):
         self.compiled = compiled
         self.grid = grid
