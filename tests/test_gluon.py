@@ -982,3 +982,75 @@ def test_auto_plans_and_runs_per_tensor_steps_on_the_hopper_family(monkeypatch):
     assert family == "gluon" and plan.num_programs == hopper_grid
     plan, family = _choice(monkeypatch, kv="fp16", preference="gluon")
     assert family == "gluon" and plan.num_programs == hopper_grid
+
+
+# Faulty lengths whose window arithmetic wraps in 32 bits (-2**31 minus the window), and
+# windows short and long: the work's range must stay empty where it was.
+WRAPPING_LENGTHS = [-(2**31), -(2**31) + 5, -1, 2**31 - 1]
+WINDOWS = [1, 13, 121, 2**31 - 1]
+
+
+def _window_range(token_start, seq_len, query_len, window, block, *, wide):
+    """The first token of a faulty work's tiles with a window, as ``work_bounds`` forms it:
+    in 64 bits and kept where it was (``wide``), or in 32 bits as a first form did."""
+    import numpy as np
+
+    i32 = np.int32
+    with np.errstate(over="ignore"):
+        if wide:
+            return token_start  # a faulty work keeps its (empty) range
+        first_key = max(i32(seq_len) - i32(query_len) - i32(window) + i32(1), i32(0))
+        return max(i32(token_start), i32(first_key // block * block))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("seq_len", WRAPPING_LENGTHS)
+def test_faulty_work_with_a_window_forms_no_wrapped_token(seq_len, window):
+    """The bound behind a fault the GPU fuzzer found: per-token scales read a tile's page ids
+    at ``start + offsets`` (int32), masked by ``< token_end``. A faulty length moved a 32-bit
+    range start near 2**31, where those offsets wrap negative and pass the mask; the kernel's
+    range (64-bit, kept for a faulty work) forms none. Checked in NumPy's int32, as the kernel
+    computes it."""
+    import numpy as np
+
+    block, token_start = 128, 0
+    offsets = np.arange(block, dtype=np.int32)
+    with np.errstate(over="ignore"):
+        for query_len in range(1, 9):
+            old = _window_range(token_start, seq_len, query_len, window, block, wide=False)
+            new = _window_range(token_start, seq_len, query_len, window, block, wide=True)
+            # token_end == token_start for a faulty work: nothing may pass the mask.
+            for start in (new, np.int32(new) + np.int32(block)):
+                passed = (np.int32(start) + offsets) < token_start
+                assert not passed.any(), (query_len, start)
+            if seq_len == -(2**31) and window < 2**31 - 8:
+                # The first form's start: some wrapped offsets (of the tile or the one ahead,
+                # whose ids are read before it) pass the mask.
+                ahead = [np.int32(old) + np.int32(k * block) + offsets for k in (0, 1)]
+                assert any((tokens < token_start).any() for tokens in ahead), query_len
+
+
+@requires_gpu
+@pytest.mark.parametrize("window", [13, 121])
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_faulty_length_with_window_and_per_token_scales_reads_nothing(window, kv_layout):
+    """The fuzzer's faulting case, rebuilt: a length of -2**31 beside a valid sequence, a
+    sliding window, per-token scales, gathered tiles (page 16): NaN rows and a fault for it,
+    the other sequence exact, no access outside the table (compute-sanitizer ran clean on
+    it)."""
+    import dataclasses
+
+    from pagedattn import testing
+    from pagedattn.backend import using_backend
+
+    g = testing.Geometry(
+        query_len=2, num_kv_heads=2, group=8, head_dim=128, page_size=16, kv_dtype=FP8_DTYPE,
+        kv_scale="per_token", kv_layout=kv_layout, q_dtype=torch.bfloat16, window=True,
+        num_programs=None, partition_size=None,
+    )  # fmt: skip
+    case = testing.make_case(g, [5, 53], torch.device(DEVICE), seed=3, sliding_window=window)
+    lens = [-(2**31), 53]
+    case = dataclasses.replace(case, lens=lens, plan_lens=lens, corruption="negative_length")
+    with using_backend("gluon"):
+        testing.check_decode(case)
+    torch.cuda.synchronize()

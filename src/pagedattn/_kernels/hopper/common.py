@@ -91,8 +91,13 @@ def work_bounds(work_list, w, BLOCK: gl.constexpr, QLEN: gl.constexpr, HAS_WINDO
     invalid = (fault != 0) | ((token_end <= token_start) & (seq_len != 0))
     token_end = gl.where(invalid, token_start, token_end)
     if HAS_WINDOW:
-        first_key = gl.maximum(seq_len - QLEN - work_list.window + 1, 0)
-        token_start = gl.maximum(token_start, first_key // BLOCK * BLOCK)
+        # In 64 bits: a faulty length (-2**31, say) wraps in 32 and would move the range's
+        # start near 2**31, where the tile's token offsets wrap negative and pass the masks
+        # (per-token scales' page ids read before the table). A faulty work keeps its empty
+        # range where it is.
+        first_key = gl.maximum(seq_len.to(gl.int64) - QLEN - work_list.window + 1, 0)
+        first_tile = (first_key // BLOCK * BLOCK).to(gl.int32)  # at most seq_len
+        token_start = gl.where(invalid, token_start, gl.maximum(token_start, first_tile))
     n_tiles = gl.maximum(token_end - token_start + BLOCK - 1, 0) // BLOCK
     return Work(seq, kv_head, token_start, token_end, slot, seq_len, fault, invalid, n_tiles)
 
