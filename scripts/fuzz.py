@@ -141,6 +141,12 @@ def main() -> int:
     )
     for text in failures[:5]:
         print(text)
+    # A fault: the CUDA context's (an illegal access kills it); wrong: any other failed check.
+    faults = sum("CUDA error" in text or "illegal" in text for text in failures)
+    print(
+        f"fuzz family={args.backend} valid={done['valid']} corrupted={corrupted} "
+        f"wrong={len(failures) - faults} faults={faults}"
+    )
     return 1 if failures else 0
 
 

@@ -6,7 +6,7 @@
 # last. Logs go to /tmp/gpu_logs; the results worth keeping go to $RESULTS (default
 # /tmp/gpu_check_out).
 #   bash scripts/gpu_check.sh [gluon|features|example|tests|fuzz|tune|bench|append|fa3|cb|host|all|
-#   steady|robust|repro|quick|profile|budget|ab|ab_src|ab_multi] [args]
+#   steady|robust|repro|quick|sanitize_fuzz|profile|budget|ab|ab_src|ab_multi] [args]
 # (several modes in one run: comma-separated, e.g. append,fa3,cb,steady, each with its summary;
 # append: append_kv against the copy ceiling, benchmarks/micro.py append; fa3: FlashInfer's FA3
 # backend beside pagedattn and XQA, FP8 and bf16 KV (FA3_BENCH_ARGS replace its cases); cb:
@@ -95,25 +95,69 @@ if [[ $MODE == tests || $MODE == all ]]; then
   cp "$LOGS"/pytest.log "$RESULTS"/
 fi
 
+if [[ $MODE == sanitize_fuzz ]]; then
+  # compute-sanitizer memcheck over corrupted steps, each family preferred in turn:
+  # SANITIZE_PROCS processes a family at once (after a fuzz run has filled Triton's cache,
+  # compilation does not run under the sanitizer), SANITIZE_CORRUPT corrupted steps each.
+  pids=()
+  for backend in ${FUZZ_BACKENDS:-gluon triton}; do
+    for i in $(seq 1 "${SANITIZE_PROCS:-4}"); do
+      timeout "${SANITIZE_SECONDS:-240}" compute-sanitizer --tool memcheck --print-limit 10 \
+        python3 scripts/fuzz.py --valid 3 --corrupt "${SANITIZE_CORRUPT:-55}" --max-batch 8 \
+        --max-len 800 --seed "$((100 + i))" --backend "$backend" \
+        --seconds "$((${SANITIZE_SECONDS:-240} - 30))" \
+        >"$LOGS/sanitize_${backend}_$i.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  for backend in ${FUZZ_BACKENDS:-gluon triton}; do
+    # The fuzzer's own lines name the cases; the sanitizer's its errors, per process.
+    cat "$LOGS"/sanitize_"${backend}"_*.log >"$RESULTS/sanitize_$backend.log"
+    python3 - "$backend" "$LOGS"/sanitize_"${backend}"_*.log <<'PY' | tee -a "$RESULTS/robust_lines.txt"
+import re, sys
+backend, logs = sys.argv[1], sys.argv[2:]
+steps = errors = 0
+complete = True
+for path in logs:
+    text = open(path).read()
+    m = re.search(r"^fuzz \(\w+\): .*?(\d+) valid, (\d+) corrupted", text, re.M)
+    e = re.search(r"ERROR SUMMARY: (\d+) error", text)
+    complete &= bool(m and e)
+    steps += int(m.group(2)) if m else 0
+    errors += int(e.group(1)) if e else 0
+family = {"gluon": "gluon", "triton": "triton"}[backend]
+print(f"sanitizer family={family} steps={steps} errors={errors}"
+      + ("" if complete else " (a process did not finish)"))
+PY
+  done
+  summary+=("$(tail -2 "$RESULTS/robust_lines.txt" | tr '\n' ' ')")
+fi
+
 if [[ $MODE == fuzz || $MODE == all ]]; then
   # 8 workers: 11,000 cases in 136-169 s on the H200 (6 reached 9,600 in 180 s). Once with the
   # default family choice, once preferring the Hopper family wherever it covers a step (each
   # FUZZ_SECONDS, SANITIZE_SECONDS under compute-sanitizer).
   for backend in ${FUZZ_BACKENDS:-auto gluon}; do
     python3 scripts/fuzz.py --valid 10000 --corrupt 1000 --max-batch 16 --max-len 2000 \
-      --workers 8 --backend "$backend" --seconds "${FUZZ_SECONDS:-300}" \
+      --workers "${FUZZ_WORKERS:-8}" --backend "$backend" --seconds "${FUZZ_SECONDS:-300}" \
       >"$LOGS/fuzz_$backend.log" 2>&1
     summary+=("fuzz (rc $?): $(grep -E '^fuzz' "$LOGS/fuzz_$backend.log")")
+    grep -E '^fuzz family=' "$LOGS/fuzz_$backend.log" >>"$RESULTS/robust_lines.txt"
     grep -A12 -m3 Traceback "$LOGS/fuzz_$backend.log" | head -40
+    cp "$LOGS/fuzz_$backend.log" "$RESULTS"/
+    [[ ${FUZZ_SANITIZE:-1} == 1 ]] || continue  # (sanitize_fuzz: several processes at once)
     compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/fuzz.py --valid 10 \
       --corrupt 400 --max-batch 8 --max-len 600 --seed 1 --backend "$backend" \
       --seconds "${SANITIZE_SECONDS:-150}" >"$LOGS/sanitizer_fuzz_$backend.log" 2>&1
     summary+=("sanitizer fuzz (rc $?): $(grep -E 'ERROR SUMMARY|^fuzz' \
       "$LOGS/sanitizer_fuzz_$backend.log" | tr '\n' ' ')")
-    cp "$LOGS/fuzz_$backend.log" "$LOGS/sanitizer_fuzz_$backend.log" "$RESULTS"/ 2>/dev/null
+    cp "$LOGS/sanitizer_fuzz_$backend.log" "$RESULTS"/
   done
-  python3 benchmarks/micro.py schedule >"$RESULTS/schedule.md" 2>&1
-  summary+=("scheduler: $RESULTS/schedule.md")
+  if [[ ${FUZZ_SANITIZE:-1} == 1 ]]; then
+    python3 benchmarks/micro.py schedule >"$RESULTS/schedule.md" 2>&1
+    summary+=("scheduler: $RESULTS/schedule.md")
+  fi
 fi
 
 if [[ $MODE == robust ]]; then

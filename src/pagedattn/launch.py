@@ -599,7 +599,7 @@ class DirectLaunch:
     Made by :meth:`make` from a compiled kernel, or None where this Triton or the kernel
     needs Triton's own path (another release, global or profile scratch memory)."""
 
-    __slots__ = ("compiled", "descriptors", "grid", "head", "launcher", "metas", "tail")
+    __slots__ = ("compiled", "descriptors", "grid", "head", "launcher", "metas", "quiet", "tail")
 
     # Descriptors kept per launch (by cache address) before all are forgotten.
     MAX_DESCRIPTORS = 1024
@@ -660,14 +660,18 @@ class DirectLaunch:
         self.tail = tail
         self.metas = tuple(metas)
         self.descriptors: dict = {}
+        self.quiet = (*head, None, None, None)  # the head, then no launch metadata or hooks
 
     def __call__(self, *args) -> None:
-        stream = _raw_stream(_current_device())
+        self.on(_raw_stream(_current_device()), *args)
+
+    def on(self, stream: int, *args) -> None:
+        """The launch on ``stream`` (a raw stream, :func:`current_stream`)."""
         enter = _RUNTIME_KNOBS.launch_enter_hook
         exit_hook = _RUNTIME_KNOBS.launch_exit_hook
         # (Triton 3.6 keeps its launch hooks in chains, called only when one is registered.)
         if not (getattr(enter, "calls", True) or getattr(exit_hook, "calls", True)):
-            self.launcher(*self.grid, stream, *self.head, None, None, None, *args, *self.tail)
+            self.launcher(*self.grid, stream, *self.quiet, *args, *self.tail)
             return
         launch_metadata = self.compiled.launch_metadata(self.grid, stream, *args, *self.tail)
         self.launcher(
@@ -687,6 +691,36 @@ class DirectLaunch:
             if len(self.descriptors) > self.MAX_DESCRIPTORS:
                 self.descriptors.clear()
                 self.descriptors[(index, key)] = found
+        return found
+
+
+def current_stream() -> int:
+    """The current device's current stream, raw, as the direct launches take it."""
+    return _raw_stream(_current_device())
+
+
+class FixedArgs:
+    """The part of a prepared launch's arguments that follows from the tensors that come back
+    call after call (caches, block table, lengths, scales, the plan's buffers), made once for
+    their addresses and kept, at most ``MAX_KEPT`` sets; the caller adds what changes each
+    call (the query, the output). Its key is the addresses themselves, so a set is never
+    taken for other memory (a freed tensor's address reused by another of the same signature
+    takes the same arguments, which are then right for it)."""
+
+    __slots__ = ("kept", "make")
+
+    MAX_KEPT = 1024
+
+    def __init__(self, make):
+        self.make = make  # make(key, *tensors) -> the fixed arguments
+        self.kept: dict = {}
+
+    def get(self, key: tuple, *tensors):
+        found = self.kept.get(key)
+        if found is None:
+            if len(self.kept) >= self.MAX_KEPT:
+                self.kept.clear()
+            found = self.kept[key] = self.make(*tensors)
         return found
 
 

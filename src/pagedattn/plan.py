@@ -343,6 +343,14 @@ class DecodePlan:
             partials[self.lse_offset :],
         )
 
+    @functools.cached_property
+    def addresses(self) -> tuple[int, ...]:
+        """The addresses of ``metadata``, :attr:`record_views` (works, planned lengths,
+        faults), ``partials`` and the partial LSEs: what direct launches pass for them."""
+        works, planned_lens, faults, partial_lse = self.record_views
+        buffers = (self.metadata, works, planned_lens, faults, self.partials, partial_lse)
+        return tuple(t.data_ptr() for t in buffers)
+
     @property
     def min_partition_size(self) -> int:
         """The smallest partition size a step of this plan can have (decode tiles fit it)."""

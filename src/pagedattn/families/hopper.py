@@ -22,7 +22,7 @@ from .._kernels.hopper.kernel import gluon_decode_kernel
 from .._kernels.limits import HOPPER_HEAD_DIMS, HOPPER_TRANSPOSED_ROWS, LOG2E
 from ..backend import hopper_shape_reason
 from ..checks import DecodeCall
-from ..launch import cache_strides, decode_launch, scale_strides
+from ..launch import FixedArgs, cache_strides, current_stream, decode_launch, scale_strides
 from .reduce import ReduceStep
 
 BLOCK_N = 128  # tokens per tile (FP8, head_dim up to 128)
@@ -444,7 +444,7 @@ class HopperStep:
     programs fit on an SM), ``load_regs`` of them in the load warp, ``transposed`` the form of
     the MMAs (None: :func:`default_transposed`), ``reduce_config`` the reducer's tile."""
 
-    __slots__ = ("boxes", "contiguous_q", "ints", "launch", "reduce")
+    __slots__ = ("boxes", "contiguous_q", "fixed", "ints", "launch", "reduce")
 
     def __init__(
         self,
@@ -507,8 +507,8 @@ class HopperStep:
         )
         self.launch = decode_launch(
             gluon_decode_kernel,
-            self._args(self._descriptors(None, k_cache, v_cache), q, block_table, seq_lens,
-                       plan, k_scale, v_scale, out, lse, trace),
+            self._args(self._descriptors(k_cache, v_cache), q, block_table, seq_lens, plan,
+                       k_scale, v_scale, out, lse, trace),
             plan,
             (q.dtype, k_cache.dtype, out.dtype),
             pdl_flag=False,  # the kernel always waits for the grid before it
@@ -517,23 +517,43 @@ class HopperStep:
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )  # fmt: skip
         self.reduce = ReduceStep(plan, out, lse, reduce_config)
+        self.fixed = FixedArgs(self._fixed)
 
-    def _descriptors(self, direct, k_cache, v_cache) -> tuple:
-        """The kernel's K and V descriptor arguments: descriptors for Triton's JIT (``direct``
-        None), else as the direct launch takes them, encoded once a cache address."""
+    def _fixed(self, direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
+               trace) -> tuple:  # fmt: skip
+        """The direct launch's arguments but the query, the output and the LSE, as
+        ``(before out, between out and lse, after lse)``: pointers as addresses, descriptors
+        encoded (:class:`pagedattn.launch.FixedArgs` keeps them by address)."""
+        q_strides, k_scale_strides, v_scale_strides, table, out_strides, lse_stride, scale = (
+            self.ints
+        )
+        metadata, works, planned_lens, faults, partials, partial_lse = plan.addresses
         k_box, v_box = self.boxes
-        if direct is None:
-            return descriptor(k_cache, k_box), descriptor(v_cache, v_box)
-        return (
+        before = (
+            *q_strides,
             *direct.descriptor(0, k_cache.data_ptr(), descriptor, k_cache, k_box),
             *direct.descriptor(1, v_cache.data_ptr(), descriptor, v_cache, v_box),
+            k_scale.data_ptr() if k_scale is not None else partials,
+            *k_scale_strides,
+            v_scale.data_ptr() if v_scale is not None else partials,
+            *v_scale_strides,
+            block_table.data_ptr(),
+            *table,
+            seq_lens.data_ptr(),
+            metadata,
+            works,
+            planned_lens,
+            faults,
         )
+        after = (*lse_stride, partials, partial_lse, scale)
+        after += (trace.data_ptr() if trace is not None else partials,)
+        return before, out_strides, after
 
     def _args(
         self, descriptors, q, block_table, seq_lens, plan, k_scale, v_scale, out, lse, trace
     ) -> tuple:
-        """The kernel's runtime arguments, in its parameter order (``descriptors``: from
-        :meth:`_descriptors`)."""
+        """The kernel's runtime arguments for Triton's JIT, in its parameter order
+        (``descriptors``: K's and V's)."""
         q_strides, k_scale_strides, v_scale_strides, table, out_strides, lse_stride, scale = (
             self.ints
         )
@@ -563,6 +583,10 @@ class HopperStep:
             trace if trace is not None else plan.partials,  # never written without TRACE
         )
 
+    def _descriptors(self, k_cache, v_cache) -> tuple:
+        """K's and V's descriptors for Triton's JIT."""
+        return descriptor(k_cache, self.boxes[0]), descriptor(v_cache, self.boxes[1])
+
     def __call__(
         self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, out, lse, trace,
@@ -570,9 +594,27 @@ class HopperStep:
         if self.contiguous_q:
             q = q.contiguous()
         launch = self.launch
-        descriptors = self._descriptors(launch.direct, k_cache, v_cache)
-        launch(
-            *self._args(descriptors, q, block_table, seq_lens, plan, k_scale, v_scale, out, lse,
-                        trace)
-        )  # fmt: skip
-        self.reduce(plan, out, lse, None, None)
+        direct = launch.direct
+        if direct is None:  # the first call (Triton's JIT), or a Triton without direct launches
+            launch(
+                *self._args(self._descriptors(k_cache, v_cache), q, block_table, seq_lens,
+                            plan, k_scale, v_scale, out, lse, trace)
+            )  # fmt: skip
+            self.reduce(plan, out, lse, None, None)
+            return
+        key = (
+            plan.addresses,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_table.data_ptr(),
+            seq_lens.data_ptr(),
+            k_scale if k_scale is None else k_scale.data_ptr(),
+            v_scale if v_scale is None else v_scale.data_ptr(),
+            trace if trace is None else trace.data_ptr(),
+        )
+        before, between, after = self.fixed.get(
+            key, direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, trace
+        )
+        stream = current_stream()
+        direct.on(stream, q, *before, out, *between, out if lse is None else lse, *after)
+        self.reduce.on(stream, plan, out, lse, None, None)

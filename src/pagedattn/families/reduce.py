@@ -10,6 +10,7 @@ from ..launch import (
     REDUCE_RUN_RECORDS,
     BoundLaunch,
     ReduceLaunchConfig,
+    current_stream,
     device_target,
     invariant_reduce_config,
     pdl_enabled,
@@ -102,6 +103,9 @@ class ReduceStep:
         launch = self.launch
         if launch is None:
             return
+        if launch.direct is not None:
+            self.on(current_stream(), plan, out, lse, sinks, query_start_loc)
+            return
         reduces, counts, lse_offset, run_slot, out_tok, out_head, lse_tok, rows, planned = self.args
         metadata = plan.metadata
         partials = plan.partials
@@ -122,3 +126,23 @@ class ReduceStep:
             planned,
             sinks if sinks is not None else partials,  # read if HAS_SINKS
         )
+
+    def on(self, stream, plan, out, lse, sinks, query_start_loc) -> None:
+        """The launch on ``stream`` once it launches directly (the same arguments, pointers as
+        addresses; after a first call)."""
+        launch = self.launch
+        if launch is None:
+            return
+        direct = launch.direct
+        if direct is None:
+            self(plan, out, lse, sinks, query_start_loc)
+            return
+        reduces, counts, lse_offset, run_slot, out_tok, out_head, lse_tok, rows, planned = self.args
+        metadata = plan.addresses[0]
+        partials = plan.addresses[4]
+        qsl = metadata if query_start_loc is None else query_start_loc.data_ptr()
+        direct.on(
+            stream, metadata, reduces, counts, partials, lse_offset, run_slot, out, out_tok,
+            out_head, out if lse is None else lse, lse_tok, qsl, rows, planned,
+            partials if sinks is None else sinks.data_ptr(),
+        )  # fmt: skip
