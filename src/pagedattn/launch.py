@@ -608,9 +608,9 @@ class DirectLaunch:
     def make(cls, compiled, grid: tuple, values: tuple) -> DirectLaunch | None:
         import triton
 
-        if not triton.__version__.startswith(DIRECT_TRITON):
+        run = getattr(compiled, "run", None)  # (None: not a compiled kernel, a stand-in's)
+        if run is None or not triton.__version__.startswith(DIRECT_TRITON):
             return None
-        run = compiled.run
         metadata = compiled.metadata
         if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
             return None
