@@ -13,6 +13,7 @@ from conftest import DEVICE, ON_GPU
 
 import pagedattn
 from pagedattn import ops
+from pagedattn import plan as planning
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
 from pagedattn.testing import random_step
@@ -69,7 +70,7 @@ def test_ops_record_faults_and_check_buffers(gen):
     assert [f.seq for f in plan.faults()] == [1]
     with pytest.raises(ValueError, match=r"seq_lens/block_table: 1 faulty sequence"):
         ops.paged_decode(*args, **kw, debug=True)
-    args = list(ops._plan_args(plan))
+    args = list(plan.op_sizes())
     with pytest.raises(ValueError, match=r"metadata: expected int32 of shape \(\d+,\)"):
         torch.ops.pagedattn.refill_plan(cache.seq_lens, plan.metadata[:-1], *args)
 
@@ -299,7 +300,7 @@ print("compiled")
 
 
 def test_constant_mark_is_torchs():
-    """ops marks its trace-time size choice as torch.compiler.assume_constant_result does
+    """plan_decode marks its trace-time size choice as torch.compiler.assume_constant_result does
     (without importing Dynamo): the same attributes on a function marked either way."""
 
     def mine():
@@ -308,6 +309,47 @@ def test_constant_mark_is_torchs():
     def theirs():
         return 0
 
-    ops._assume_constant_result(mine)
+    planning._assume_constant_result(mine)
     torch.compiler.assume_constant_result(theirs)
     assert vars(mine) == vars(theirs) and vars(mine)
+
+
+def test_ops_take_every_argument_of_the_public_calls():
+    """The custom ops' schemas against the public calls' signatures: an option added to one
+    and forgotten in the other fails here. The calls' arguments the ops do not take are the
+    plan (its buffers and sizes instead), the output (a second op), and the knobs that must be
+    None under torch.compile (``check_traced_options``)."""
+    import inspect
+
+    from pagedattn.buffers import DecodePlan
+    from pagedattn.decode import traced_paged_decode
+
+    def public(fn):
+        return set(inspect.signature(fn).parameters)
+
+    def schema(params):
+        return set(ops._param_names(params))
+
+    assert ops._PLAN_FIELDS == DecodePlan.OP_FIELDS  # the plan's sizes in one order
+    sizes = set(DecodePlan.OP_FIELDS)
+    knobs = {"launch_config", "backend"}
+    plan_buffers = {"metadata", "partials"}
+    decode_public = public(pagedattn.paged_decode) - {"plan", "out"} - knobs
+    assert schema(ops._DECODE_PARAMS) - plan_buffers - sizes == decode_public
+    out_op = schema(ops._DECODE_OUT_PARAMS) - plan_buffers - sizes
+    assert out_op == decode_public - {"return_lse"} | {"out", "lse"}
+    # The traced form takes every one of them (it calls the ops), and the plan.
+    assert public(traced_paged_decode) == decode_public | {"plan", "out"}
+    assert set(ops.TRACED_DECODE_DEFAULTS) == public(traced_paged_decode) - {
+        "q",
+        "k_cache",
+        "v_cache",
+        "block_table",
+        "seq_lens",
+    }
+    # plan_decode: the plan's sizes and its tensors; reuse, max_seq_len (they choose the sizes
+    # while tracing) and the scheduler's launch knob are not op arguments.
+    plan_public = public(pagedattn.plan_decode) - {"reuse", "max_seq_len", "schedule_config"}
+    assert plan_public <= schema(ops._REFILL_PARAMS) | sizes
+    assert schema(ops._REFILL_PARAMS) - sizes - plan_public == {"metadata"}
+    assert public(pagedattn.append_kv) == schema(ops._APPEND_PARAMS)

@@ -1,8 +1,7 @@
 """pagedattn: Triton kernels for paged-attention decode in LLM serving."""
 
-__version__ = "0.1.0"
-
 from . import _backend  # noqa: F401  (before Triton: picks its interpreter without a GPU)
+from ._version import __version__
 from .cache import (
     PagedCache,
     append_kv,

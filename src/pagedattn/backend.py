@@ -13,14 +13,8 @@ import contextvars
 import torch
 
 from ._kernels.common import interpreting
-from ._kernels.limits import (
-    HOPPER_HEAD_DIMS,
-    HOPPER_MAX_QUERY_LEN,
-    HOPPER_MAX_ROWS,
-    HOPPER_MIN_PAGE,
-    HOPPER_TRANSPOSED_ROWS,
-)
 from .launch import default_num_programs
+from .scope import hopper_shape_reason
 
 BACKENDS = ("auto", "triton", "gluon")
 # What ``backend="auto"`` takes where nothing else is asked for: the Hopper family on the steps
@@ -101,34 +95,6 @@ def preferred_family(backend: str = "auto") -> tuple[str, bool]:
         if backend == "auto":
             return AUTO_FAMILY, True
     return backend, False
-
-
-def hopper_shape_reason(*, kv_dtype, query_len, head_dim, page_size, group) -> str | None:
-    """What the Hopper family expects of a step's shape that this one lacks, or None."""
-    rows = query_len * group
-    needs = (
-        (
-            kv_dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float16),
-            f"kv dtype float8_e4m3fn, bfloat16 or float16, got {kv_dtype}",
-        ),
-        (
-            query_len <= HOPPER_MAX_QUERY_LEN and rows <= HOPPER_MAX_ROWS,
-            f"query_len at most {HOPPER_MAX_QUERY_LEN} and query_len x query heads per kv head"
-            f" at most {HOPPER_MAX_ROWS}, got {query_len} x {group}",
-        ),
-        (
-            head_dim in HOPPER_HEAD_DIMS
-            and (
-                head_dim <= 128
-                or (kv_dtype == torch.float8_e4m3fn and rows <= HOPPER_TRANSPOSED_ROWS)
-            ),
-            f"head_dim one of {HOPPER_HEAD_DIMS} (256 with FP8 KV and at most "
-            f"{HOPPER_TRANSPOSED_ROWS} query rows a kv head), got {head_dim} with {kv_dtype} "
-            f"and {query_len} x {group} rows",
-        ),
-        (page_size >= HOPPER_MIN_PAGE, f"page_size at least {HOPPER_MIN_PAGE}, got {page_size}"),
-    )
-    return next((f"expected {what}" for ok, what in needs if not ok), None)
 
 
 def hopper_covers(*, kv_dtype, kv_scale, query_len, head_dim, page_size, group, by_default):
@@ -229,3 +195,14 @@ def eager_calls():
         yield
     finally:
         _THROUGH_OPS = before
+
+
+def check_traced_options(function: str, options: dict) -> None:
+    """Under torch.compile, the keyword arguments of ``function`` that are no arguments of its
+    custom op (tuning knobs) must be None."""
+    given = sorted(name for name, value in options.items() if value is not None)
+    if given and torch.compiler.is_compiling():
+        raise ValueError(
+            f"{', '.join(given)}: expected None when {function} runs under torch.compile "
+            "(not arguments of the custom ops), got a value"
+        )

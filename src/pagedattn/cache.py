@@ -520,13 +520,11 @@ def append_kv(
     same bytes.
     """
     if torch.compiler.is_compiling() and through_ops():
-        # Traced by torch.compile: the same call through its custom op.
-        from . import ops
-
-        return ops.append_kv(
-            k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
-            v_scale=v_scale, kv_scale=kv_scale, debug=debug,
-        )  # fmt: skip
+        # Traced by torch.compile: the same call through its custom op (``pagedattn.ops``,
+        # registered by ``import pagedattn``).
+        return torch.ops.pagedattn.append_kv(
+            k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale, debug
+        )
     try:
         # The fast path: a call like an earlier one reuses its checked, prepared launch.
         key = (

@@ -18,6 +18,7 @@ import torch
 from . import checks
 from .backend import (
     auto_backend,
+    check_traced_options,
     pick_backend,
     portable_features,
     through_ops,
@@ -198,16 +199,18 @@ def paged_decode(
     ``exact_qk=True`` turns it off.
     """
     if torch.compiler.is_compiling() and through_ops():
-        # Traced by torch.compile: the same call through the custom ops.
-        from . import ops
-
-        return ops.paged_decode(
+        # Traced by torch.compile: the same call through the custom ops (``pagedattn.ops``,
+        # registered by ``import pagedattn``).
+        check_traced_options(
+            "paged_decode",
+            {"launch_config": launch_config, "backend": None if backend == "auto" else backend},
+        )
+        return traced_paged_decode(
             q, k_cache, v_cache, block_table, seq_lens, plan=plan, sm_scale=sm_scale,
             k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
             sliding_window=sliding_window, sinks=sinks, logits_soft_cap=logits_soft_cap,
             query_start_loc=query_start_loc, out=out, return_lse=return_lse, debug=debug,
-            exact_qk=exact_qk, launch_config=launch_config,
-            backend=None if backend == "auto" else backend,
+            exact_qk=exact_qk,
         )  # fmt: skip
     trace = _TRACE.get()
     try:
@@ -389,6 +392,63 @@ class DecodeStep:
             self.launch = HopperStep(call)
         else:
             self.launch = PortableStep(call)
+
+
+def _kv_scale_mode(k_scale: torch.Tensor | None) -> str | None:
+    if k_scale is None:
+        return None
+    return "per_tensor" if k_scale.numel() == 1 else "per_token"
+
+
+def traced_paged_decode(
+    q, k_cache, v_cache, block_table, seq_lens, *, plan, sm_scale, k_scale, v_scale, kv_layout,
+    sliding_window, sinks, logits_soft_cap, query_start_loc, out, return_lse, debug, exact_qk,
+):  # fmt: skip
+    """:func:`paged_decode` under torch.compile: ``torch.ops.pagedattn.paged_decode_out``
+    when ``out`` is given, else ``torch.ops.pagedattn.paged_decode`` (same results and
+    errors); without ``plan`` it plans first (one launch more)."""
+    if plan is None:
+        batch = seq_lens.shape[0]
+        heads_dim = 2 if kv_layout == "NHD" else 1
+        num_kv_heads = k_cache.shape[heads_dim]
+        if query_start_loc is not None:
+            # As paged_decode plans for ragged rows: as many as one tile holds.
+            group = max(q.shape[1] // max(num_kv_heads, 1), 1)
+            query_len = max(1, min(q.shape[0], checks.MAX_ROWS // group))
+        else:
+            query_len = q.shape[0] // batch if batch else 1
+        plan = plan_decode(
+            seq_lens,
+            num_q_heads=q.shape[1],
+            num_kv_heads=num_kv_heads,
+            head_dim=q.shape[2],
+            page_size=k_cache.shape[3 - heads_dim],
+            query_len=query_len,
+            kv_dtype=k_cache.dtype,
+            kv_scale=_kv_scale_mode(k_scale),
+            query_start_loc=query_start_loc,
+        )
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan: expected a DecodePlan, got {type(plan).__name__}")
+    if sm_scale is not None:
+        sm_scale = float(sm_scale)
+    if sliding_window is not None and not isinstance(sliding_window, int):
+        sliding_window = int(sliding_window)
+    if logits_soft_cap is not None and not isinstance(logits_soft_cap, bool):
+        logits_soft_cap = float(logits_soft_cap)
+    common = (
+        q, k_cache, v_cache, block_table, seq_lens, plan.metadata, plan.partials,
+        *plan.op_sizes(), sm_scale, k_scale, v_scale, kv_layout, sliding_window, sinks,
+        logits_soft_cap, query_start_loc,
+    )  # fmt: skip
+    if out is not None:
+        lse = None
+        if return_lse:
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        torch.ops.pagedattn.paged_decode_out(*common, debug, exact_qk, out, lse)
+        return (out, lse) if return_lse else out
+    out, lse = torch.ops.pagedattn.paged_decode(*common, return_lse, debug, exact_qk)
+    return (out, lse) if return_lse else out
 
 
 def _raise_faults(plan: DecodePlan) -> None:

@@ -41,15 +41,16 @@ not take must be None.
 """
 
 import functools
+import inspect
 import itertools
 
 import torch
 
-from . import checks, decode
+from . import decode
 from . import plan as planning
-from .backend import eager_calls
+from .backend import check_traced_options
 from .cache import append_kv as eager_append_kv
-from .plan import DecodePlan, allocate_plan, plan_sizes
+from .plan import DecodePlan, plan_sizes, refill_plan
 
 __all__ = ["append_kv", "paged_decode", "plan_decode", "refill_plan"]
 
@@ -164,105 +165,17 @@ def _(*args) -> None:
     return None
 
 
-def _plan_args(plan: DecodePlan) -> tuple:
-    """The plan's sizes in the ops' argument order."""
-    return tuple(getattr(plan, name) for name in _PLAN_FIELDS)
-
-
-def refill_plan(
-    plan: DecodePlan, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None = None
-) -> DecodePlan:
-    """Refills ``plan`` in place for this step's ``seq_lens`` (and ``query_start_loc``, for a
-    plan made with it; one launch, no host sync) and returns it: ``pagedattn.plan_decode(
-    seq_lens, ..., reuse=plan)`` with the plan's own sizes, as a custom op."""
-    if not isinstance(plan, DecodePlan):
-        raise TypeError(f"plan: expected a DecodePlan, got {type(plan).__name__}")
-    torch.ops.pagedattn.refill_plan(seq_lens, plan.metadata, *_plan_args(plan), query_start_loc)
-    return plan
-
-
-def _assume_constant_result(fn):
-    """What ``torch.compiler.assume_constant_result`` does (it marks ``fn``), without importing
-    Dynamo on ``import pagedattn`` (1-2 s); ``tests/test_ops.py`` checks that the marks agree."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_assume_constant_result
-def _chosen_sizes(batch: int, device: torch.device, ragged: bool, **arguments) -> tuple:
-    """The grid and partition size ``pagedattn.plan_decode`` picks for these keyword
-    ``arguments`` (run once while tracing, its result a constant of the graph): it plans
-    padding slots of this batch on this device and reads the sizes back, so grid and
-    partition follow exactly the same rules and the same tuning table, and bad arguments
-    raise its errors."""
-    rows = torch.zeros(batch + 1, dtype=torch.int32, device=device) if ragged else None
-    with eager_calls():
-        plan = planning.plan_decode(
-            torch.zeros(batch, dtype=torch.int32, device=device), **arguments, query_start_loc=rows
-        )
-    return plan.num_programs, plan.partition_size
-
-
-def plan_decode(
-    seq_lens: torch.Tensor,
-    *,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    query_len: int = 1,
-    kv_dtype: torch.dtype = torch.bfloat16,
-    kv_scale: str | None = None,
-    num_programs: int | None = None,
-    partition_size: int | None = None,
-    reuse: DecodePlan | None = None,
-    max_seq_len: int | None = None,
-    query_start_loc: torch.Tensor | None = None,
-    batch_invariant: bool = False,
-    **options,
-) -> DecodePlan:
-    """:func:`pagedattn.plan_decode`, traceable: eager calls are that function; under
-    ``torch.compile`` the sizes are chosen while tracing and the scheduler runs as the
-    ``refill_plan`` op, into ``reuse``'s buffers or new ones. ``options``: further keyword
-    arguments of :func:`pagedattn.plan_decode`, passed on in eager calls; under
-    ``torch.compile`` only None values are accepted."""
-    _check_options("plan_decode", options)
-    # The arguments that choose the plan's sizes, passed on as given.
-    arguments = dict(
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        query_len=query_len,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-        num_programs=num_programs,
-        partition_size=partition_size,
-        max_seq_len=max_seq_len,
-        batch_invariant=batch_invariant,
-    )
+def plan_decode(seq_lens: torch.Tensor, **arguments) -> DecodePlan:
+    """:func:`pagedattn.plan_decode`, traceable (its keyword arguments): eager calls are that
+    function; under ``torch.compile`` the sizes are chosen while tracing and the scheduler runs
+    as the ``refill_plan`` op, into ``reuse``'s buffers or new ones. Keyword arguments that are
+    no op arguments (``schedule_config``) must be None under ``torch.compile``."""
     if not torch.compiler.is_compiling():
-        return planning.plan_decode(
-            seq_lens, **arguments, reuse=reuse, query_start_loc=query_start_loc, **options
-        )
-    batch, device = seq_lens.shape[0], seq_lens.device
-    ragged = query_start_loc is not None
-    chosen = _chosen_sizes(batch, device, ragged, **arguments)
-    sizes = dict(arguments, batch=batch, ragged=ragged)
-    sizes["num_programs"], sizes["partition_size"] = chosen
-    want = tuple(sizes[name] for name in _PLAN_FIELDS)
-    if reuse is not None:
-        if not isinstance(reuse, DecodePlan):
-            raise TypeError(f"reuse: expected a DecodePlan, got {type(reuse).__name__}")
-        have = _plan_args(reuse)
-        if have != want or reuse.metadata.device != device:
-            raise ValueError(
-                f"reuse: expected a plan made for sizes {want} on {device}, got one with "
-                f"{have} on {reuse.metadata.device}"
-            )
-        return refill_plan(reuse, seq_lens, query_start_loc)
-    new = allocate_plan(**dict(zip(_PLAN_FIELDS, want)), device=device)
-    return refill_plan(new, seq_lens, query_start_loc)
+        return planning.plan_decode(seq_lens, **arguments)
+    options = {"schedule_config": arguments.pop("schedule_config", None)}
+    check_traced_options("plan_decode", options)
+    reuse, rows = arguments.pop("reuse", None), arguments.pop("query_start_loc", None)
+    return planning.traced_plan_decode(seq_lens, reuse=reuse, query_start_loc=rows, **arguments)
 
 
 # -- decode -------------------------------------------------------------------------------------
@@ -315,128 +228,32 @@ def _(*args) -> None:
     return None
 
 
-def _check_options(function: str, options: dict) -> None:
-    given = sorted(name for name, value in options.items() if value is not None)
-    if given and torch.compiler.is_compiling():
-        raise ValueError(
-            f"{', '.join(given)}: expected None when {function} runs under torch.compile "
-            "(not arguments of the custom ops), got a value"
-        )
+def paged_decode(q, k_cache, v_cache, block_table, seq_lens, **arguments):
+    """:func:`pagedattn.paged_decode` through the custom ops under ``torch.compile``
+    (``torch.ops.pagedattn.paged_decode_out`` when ``out`` is given, else
+    ``torch.ops.pagedattn.paged_decode``; same arguments, results and errors); eager calls are
+    that function. Keyword arguments that are no op arguments (``launch_config``, ``backend``)
+    must be None (or "auto") under ``torch.compile``."""
+    tensors = (q, k_cache, v_cache, block_table, seq_lens)
+    if not torch.compiler.is_compiling():
+        return decode.paged_decode(*tensors, **arguments)
+    backend = arguments.pop("backend", None)
+    options = {
+        "launch_config": arguments.pop("launch_config", None),
+        "backend": None if backend == "auto" else backend,
+    }
+    check_traced_options("paged_decode", options)
+    given = dict(TRACED_DECODE_DEFAULTS, **arguments)
+    return decode.traced_paged_decode(*tensors, **given)
 
 
-def _kv_scale_mode(k_scale: torch.Tensor | None) -> str | None:
-    if k_scale is None:
-        return None
-    return "per_tensor" if k_scale.numel() == 1 else "per_token"
-
-
-def paged_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    plan: DecodePlan | None = None,
-    sm_scale: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    kv_layout: str = "NHD",
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
-    logits_soft_cap: float | None = None,
-    query_start_loc: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    return_lse: bool = False,
-    debug: bool = False,
-    exact_qk: bool = False,
-    **options,
-):
-    """:func:`pagedattn.paged_decode` through the custom ops (same arguments, results and
-    errors): ``torch.ops.pagedattn.paged_decode_out`` when ``out`` is given, else
-    ``torch.ops.pagedattn.paged_decode``. Without ``plan`` it plans first (:func:`plan_decode`
-    here, one launch more). ``options``: further keyword arguments of
-    :func:`pagedattn.paged_decode` that are no op arguments (``launch_config``, a tuning
-    knob): eager calls with any of them not None go straight to
-    :func:`pagedattn.paged_decode`; compiled ones raise."""
-    if any(value is not None for value in options.values()):
-        _check_options("paged_decode", options)
-        return decode.paged_decode(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            plan=plan,
-            sm_scale=sm_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            kv_layout=kv_layout,
-            sliding_window=sliding_window,
-            sinks=sinks,
-            logits_soft_cap=logits_soft_cap,
-            query_start_loc=query_start_loc,
-            out=out,
-            return_lse=return_lse,
-            debug=debug,
-            exact_qk=exact_qk,
-            **options,
-        )
-    if plan is None:
-        batch = seq_lens.shape[0]
-        heads_dim = 2 if kv_layout == "NHD" else 1
-        num_kv_heads = k_cache.shape[heads_dim]
-        if query_start_loc is not None:
-            # As pagedattn.paged_decode plans for ragged rows: as many as one tile holds.
-            group = max(q.shape[1] // max(num_kv_heads, 1), 1)
-            query_len = max(1, min(q.shape[0], checks.MAX_ROWS // group))
-        else:
-            query_len = q.shape[0] // batch if batch else 1
-        plan = plan_decode(
-            seq_lens,
-            num_q_heads=q.shape[1],
-            num_kv_heads=num_kv_heads,
-            head_dim=q.shape[2],
-            page_size=k_cache.shape[3 - heads_dim],
-            query_len=query_len,
-            kv_dtype=k_cache.dtype,
-            kv_scale=_kv_scale_mode(k_scale),
-            query_start_loc=query_start_loc,
-        )
-    if not isinstance(plan, DecodePlan):
-        raise TypeError(f"plan: expected a DecodePlan, got {type(plan).__name__}")
-    if sm_scale is not None:
-        sm_scale = float(sm_scale)
-    if sliding_window is not None and not isinstance(sliding_window, int):
-        sliding_window = int(sliding_window)
-    if logits_soft_cap is not None and not isinstance(logits_soft_cap, bool):
-        logits_soft_cap = float(logits_soft_cap)
-    common = (
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        plan.metadata,
-        plan.partials,
-        *_plan_args(plan),
-        sm_scale,
-        k_scale,
-        v_scale,
-        kv_layout,
-        sliding_window,
-        sinks,
-        logits_soft_cap,
-        query_start_loc,
-    )
-    if out is not None:
-        lse = None
-        if return_lse:
-            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        torch.ops.pagedattn.paged_decode_out(*common, debug, exact_qk, out, lse)
-        return (out, lse) if return_lse else out
-    out, lse = torch.ops.pagedattn.paged_decode(*common, return_lse, debug, exact_qk)
-    return (out, lse) if return_lse else out
+# paged_decode's keyword arguments the custom ops take, at its defaults.
+_TRACED = inspect.signature(decode.traced_paged_decode).parameters
+TRACED_DECODE_DEFAULTS = {
+    name: param.default
+    for name, param in inspect.signature(decode.paged_decode).parameters.items()
+    if name in _TRACED and param.kind is inspect.Parameter.KEYWORD_ONLY
+}
 
 
 # -- cache write ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from ._kernels import records
 from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN, AUTO_WHOLE_MAX_LEN
-from .plan import INVARIANT_MAX_CHUNKS, REDUCE_FIELDS, WORK_FIELDS, plan_sizes
+from .buffers import INVARIANT_MAX_CHUNKS, REDUCE_FIELDS, WORK_FIELDS, plan_sizes
 
 __all__ = ["append_kv_torch", "dequantize_kv", "paged_decode_torch", "rel_error"]
 

@@ -8,7 +8,7 @@ bf16/fp16 KV with a query of its dtype (64-token tiles, K and V multiplied as st
 a kv head (row r: new token r // group, query head r % group; each new token attends keys up
 to its own position), pages of 8 tokens or more (a tile is 128 tokens of FP8, 64 of a 16-bit
 cache or of FP8 at head_dim 256: one page, or gathered out of shorter pages) and partitions of
-at least a tile, NHD or HND, with or without a sliding window (``backend.hopper_shape_reason``
+at least a tile, NHD or HND, with or without a sliding window (``scope.hopper_shape_reason``
 and :func:`unsupported` say what else).
 """
 
@@ -20,14 +20,14 @@ from .. import checks
 from .._kernels.hopper.common import NUM_WARPS
 from .._kernels.hopper.kernel import gluon_decode_kernel
 from .._kernels.limits import HOPPER_HEAD_DIMS, HOPPER_TRANSPOSED_ROWS, LOG2E
-from ..backend import hopper_shape_reason
 from ..checks import DecodeCall
 from ..launch import FixedArgs, cache_strides, current_stream, decode_launch, scale_strides
+from ..scope import hopper_shape_reason
 from .reduce import ReduceStep
 
 BLOCK_N = 128  # tokens per tile (FP8, head_dim up to 128)
 BLOCK_N16 = 64  # tokens per tile of a 16-bit cache (the same bytes at head_dim 128)
-HEAD_DIMS = HOPPER_HEAD_DIMS  # its scope in shapes: backend.hopper_shape_reason
+HEAD_DIMS = HOPPER_HEAD_DIMS  # its scope in shapes: scope.hopper_shape_reason
 MAX_TRANSPOSED_ROWS = HOPPER_TRANSPOSED_ROWS  # query rows the transposed form takes
 # Scale modes (constexpr SCALE_MODE), as the portable kernel numbers them.
 SCALE_TENSOR, SCALE_TOKEN = 1, 2
@@ -152,7 +152,7 @@ def variant(
     ``scale_mode`` 0; ``head_dim``: one of ``HEAD_DIMS``; ``convert_regs``: the converter
     warps' registers a thread, in the rows form with FP8 V; ``trace``: the profiling stamps of
     :func:`pagedattn.decode.tracing`). Raises ``ValueError`` for a case outside the family's
-    shapes (``backend.hopper_shape_reason``) or a tuning it cannot take."""
+    shapes (``scope.hopper_shape_reason``) or a tuning it cannot take."""
     kv16 = kv_dtype != torch.float8_e4m3fn
     reason = hopper_shape_reason(
         kv_dtype=kv_dtype,

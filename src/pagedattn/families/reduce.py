@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._kernels.reduce import _reduce_kernel
+from ..buffers import DecodePlan, run_slots
 from ..launch import (
     REDUCE_RUN_RECORDS,
     BoundLaunch,
@@ -17,7 +18,6 @@ from ..launch import (
     reduce_launch_config,
     sm_count,
 )
-from ..plan import DecodePlan, run_slots
 
 
 class ReduceStep:

@@ -373,7 +373,7 @@ def shipped_table_path(device_name: str) -> Path:
 
 
 def _running_version() -> str:
-    from pagedattn import __version__
+    from .._version import __version__
 
     return __version__
 

@@ -1,0 +1,3 @@
+"""The package's version, below every module that reads it."""
+
+__version__ = "0.1.0"
