@@ -17,7 +17,8 @@ shared reducer. Lengths and page ids are checked as the GQA kernel checks them
 and flagged) and writes NaN rows and LSE, and its sequence's fault bits.
 
 Numerics: FP8 rows convert exactly to the query's dtype for Q K^T and to fp16 for P V (bf16
-for a bf16 cache); the latent is cut into ``CHUNKS`` chunks along its width, one dot each.
+for a bf16 cache; every e4m3 value is exact in both); the latent is cut into ``CHUNKS``
+chunks along its width, one dot each, and each chunk loaded once serves both dots.
 Per-tensor scales fold into the score scale and the output; a per-token scale (one per row,
 the same for its key and value) multiplies score columns and probability columns (relative to
 the tile's largest, as in the GQA kernel). Scores, softmax state and accumulators are float32.
@@ -28,18 +29,19 @@ import triton.language as tl
 
 from .append import _write_rows, slot_place
 from .common import LN2, bad_page, dot_any, grid_dependency, work_record
-from .decode import (
-    SCALE_TENSOR,
-    SCALE_TOKEN,
-    _convert_kv,
-    _load_chunk,
-    _load_q_chunk,
-    _store_rows,
-    _TileAt,
-    _TileSource,
-    _token_scales,
-)
+from .decode import SCALE_TENSOR, SCALE_TOKEN, _load_q_chunk, _store_rows, _token_scales
 from .records import FAULT_PAGE_ID
+
+
+@triton.jit
+def _load_tile(row_ptr, cols, stride_dim, tok_ok, MASKED: tl.constexpr):
+    """Columns ``cols`` of a tile's cached rows (``row_ptr``: one pointer per row), in the
+    cache's dtype; rows past the work's end (a masked tile) as zeros."""
+    ptrs = row_ptr + cols[None, :] * stride_dim
+    if MASKED:
+        return tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -99,20 +101,19 @@ def _mla_tile(
     page = tl.where(bad, 0, page)
     page_fault = page_fault | bad
     page64 = page.to(tl.int64)  # caches pass 2^31 bytes
-    at = _TileAt(page, start, 0, tok_ok)
     row = page64 * kv_strides[0] + slot_in_page * kv_strides[1]
-    latent_src = _TileSource(kv_ptr, kv_ptr, row, kv_strides[2])
-    rope_src = _TileSource(kv_ptr, kv_ptr + HEAD_DIM_V * kv_strides[2], row, kv_strides[2])
+    row_ptr = kv_ptr + row[:, None]
 
     # -- scores: S = Q_latent K_latent^T (chunk by chunk) + Q_rope K_rope^T, log2 units --
     latent = ()
     s = None
     for c in tl.static_range(CHUNKS):
-        k = _load_chunk(latent_src, at, c, DC, PAGE_SIZE, BLOCK_N, False, MASKED)
+        k = _load_tile(row_ptr, c * DC + tl.arange(0, DC), kv_strides[2], tok_ok, MASKED)
         latent += (k,)
-        s = dot_any(q_lat[c], tl.trans(_convert_kv(k, q_rope.dtype, False)), DOT_FP32, s)
-    rope = _load_chunk(rope_src, at, 0, ROPE_DIM, PAGE_SIZE, BLOCK_N, False, MASKED)
-    s = dot_any(q_rope, tl.trans(_convert_kv(rope, q_rope.dtype, False)), DOT_FP32, s)
+        s = dot_any(q_lat[c], tl.trans(k.to(q_rope.dtype)), DOT_FP32, s)
+    rope_cols = HEAD_DIM_V + tl.arange(0, ROPE_DIM)
+    rope = _load_tile(row_ptr, rope_cols, kv_strides[2], tok_ok, MASKED)
+    s = dot_any(q_rope, tl.trans(rope.to(q_rope.dtype)), DOT_FP32, s)
     if SCALE_MODE == SCALE_TOKEN:
         row_scale = _token_scales(
             scale_ptr,
@@ -151,8 +152,7 @@ def _mla_tile(
         p = p.to(pv_dtype)
     o_new = ()
     for c in tl.static_range(CHUNKS):
-        v = _convert_kv(latent[c], pv_dtype, False)
-        o_new += (dot_any(p, v, DOT_FP32, o[c] * alpha[:, None]),)
+        o_new += (dot_any(p, latent[c].to(pv_dtype), DOT_FP32, o[c] * alpha[:, None]),)
     return page_fault, m_new, l_i, v_norm, o_new
 
 
