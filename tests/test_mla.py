@@ -10,6 +10,7 @@ even where its value would not show. The random cases are drawn from a seeded ge
 
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import types
@@ -17,7 +18,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, run_compiled
 
 import pagedattn
 from pagedattn import ops, testing
@@ -259,7 +260,7 @@ def run(step: Step, inputs: Inputs, plan=None, block_table=None, seq_lens=None, 
     )
     config = None
     if step.head_chunk is not None:
-        default = pagedattn.mla.mla_launch_config(kv_dtype=step.kv_dtype, rows=16)
+        default = pagedattn.mla.mla_launch_config(kv_dtype=step.kv_dtype)
         config = dataclasses.replace(default, head_chunk=step.head_chunk)
     reads = dict(
         q=inputs.q, kv_cache=inputs.kv_cache, scale=inputs.scale, block_table=table,
@@ -934,3 +935,81 @@ def test_append_argument_errors(change, exception, message, gen):
         pagedattn.append_mla(
             kwargs.pop("latent"), kwargs.pop("kv_cache"), kwargs.pop("slot_mapping"), **kwargs
         )
+
+
+# ---------------------------------------------------------------- builds for the GPU
+
+_BUILD = r"""
+import json, os, re, subprocess, sys, tempfile
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from pagedattn._kernels.mla import _append_mla_kernel, _mla_decode_kernel
+from pagedattn.mla import MLA_ROW_DIM, mla_constexprs, mla_launch_config
+
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+types = {"bfloat16": "*bf16", "float16": "*fp16", "float8_e4m3fn": "*fp8e4nv"}
+results = []
+for kv, q, kv_scale, query_len, group, page_size in json.loads(sys.argv[1]):
+    config = mla_launch_config(kv_dtype=getattr(torch, kv))
+    launch = mla_constexprs(
+        config, query_len=query_len, group=group, page_size=page_size, kv_scale=kv_scale,
+        partition_size=256, write_lse=True,
+    )
+    options = {"num_warps": launch.pop("num_warps"), "num_stages": launch.pop("num_stages")}
+    launch["PDL"] = True
+    pointers = dict(
+        q_ptr=types[q], kv_ptr=types[kv], scale_ptr="*fp32", block_table_ptr="*i32",
+        seq_lens_ptr="*i32", work_indptr_ptr="*i32", out_ptr=types[q], lse_ptr="*fp32",
+        partial_out_ptr="*fp32", qk_scale="fp32",
+    )
+    signature = {
+        name: "constexpr" if name in launch else pointers.get(name, "i32")
+        for name in _mla_decode_kernel.arg_names
+    }
+    source = triton.compiler.ASTSource(_mla_decode_kernel, signature, constexprs=launch)
+    built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(built.asm["cubin"])
+        usage = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-res-usage", path],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    fields = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
+    results.append(dict(fields, mma="mma.sync" in built.asm["ptx"]))
+# The cache write: e4m3fn as Triton's type (sm_90) and as bytes (sm_80).
+for cache, arch in (("*fp8e4nv", 90), ("*u8", 80)):
+    launch = dict(ROW_DIM=MLA_ROW_DIM, BLOCK_D=1024, FP8=True, PER_TOKEN=True, FP8_MAX=448.0,
+                  EXPONENT_BIAS=7, NEGATIVE_ZERO=True)
+    pointers = dict(latent_ptr="*bf16", kv_ptr=cache, scale_ptr="*fp32", slot_mapping_ptr="*i64")
+    signature = {
+        name: "constexpr" if name in launch else pointers.get(name, "i32")
+        for name in _append_mla_kernel.arg_names
+    }
+    source = triton.compiler.ASTSource(_append_mla_kernel, signature, constexprs=launch)
+    built = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    results.append(dict(division="div.rn.f32" in built.asm["ptx"]))
+print(json.dumps(results))
+"""
+
+# Stack bytes a thread the default launches may spill at most (they spill 16-200).
+SPILL_BYTES = 256
+
+
+def test_kernels_build_for_sm90a():
+    """The compiled kernels, not the interpreter: the MLA decode kernel with its default
+    launch, built on the CPU for sm_90a (16-bit and FP8 caches, both scale modes, 16 and 32
+    query rows, whole and gathered tiles) on tensor cores and within the spill bound; the
+    cache write for sm_90 and sm_80 with IEEE division (the twin's bytes)."""
+    builds = [
+        ("bfloat16", "bfloat16", None, 1, 16, 64),
+        ("float8_e4m3fn", "bfloat16", "per_token", 2, 16, 1),
+        ("float8_e4m3fn", "float16", "per_tensor", 4, 8, 64),
+    ]
+    results = json.loads(run_compiled(_BUILD, json.dumps(builds)))
+    for build, r in zip(builds, results[: len(builds)], strict=True):
+        assert r["mma"], f"no tensor-core dot: {build}"
+        assert r["stack"] <= SPILL_BYTES and r["local"] == 0, f"spills {r}: {build}"
+    assert all(r["division"] for r in results[len(builds) :])

@@ -90,13 +90,16 @@ class MLALaunchConfig:
         return self
 
 
-def mla_launch_config(*, kv_dtype: torch.dtype, rows: int) -> MLALaunchConfig:
-    """The MLA decode kernel's default launch for a cache of ``kv_dtype`` and ``rows`` query
-    rows a head block. Not measured on a GPU yet: 64-row FP8 tiles and 32-row 16-bit ones
-    (36 KB of cache each), 64-wide latent chunks as the GQA kernel's, 4 warps up to 16 rows
-    and 8 beyond (the accumulator, rows x 512 float32, spread over more threads)."""
-    block_n = 64 if kv_dtype == torch.float8_e4m3fn else 32
-    return MLALaunchConfig(block_n=block_n, num_warps=4 if rows <= 16 else 8, num_stages=2)
+def mla_launch_config(*, kv_dtype: torch.dtype) -> MLALaunchConfig:
+    """The MLA decode kernel's default launch for a cache of ``kv_dtype`` (head blocks of up
+    to ``MLA_BLOCK_ROWS`` query rows). Chosen from sm_90a builds on a CPU (ptxas's register
+    and stack use), not from GPU timings: 8 warps (the float32 accumulator, rows x 512, over
+    more threads), 16-row tiles of a 16-bit cache and 32-row FP8 ones (18 KB of cache
+    each), 64-wide latent chunks as the GQA kernel's. At 16 and 32 query rows these builds
+    spill at most 200 bytes a thread; 4 warps or 64-row tiles spilled 0.5-3 KB
+    (``tests/test_mla.py`` builds the defaults)."""
+    block_n = 32 if kv_dtype == torch.float8_e4m3fn else 16
+    return MLALaunchConfig(block_n=block_n, num_warps=8, num_stages=2)
 
 
 def mla_head_blocks(num_heads: int, query_len: int) -> int:
@@ -522,6 +525,39 @@ def mla_decode(
     return (out, lse) if step.return_lse else out
 
 
+def mla_constexprs(
+    config: MLALaunchConfig,
+    *,
+    query_len: int,
+    group: int,
+    page_size: int,
+    kv_scale: str | None,
+    partition_size: int,
+    write_lse: bool,
+) -> dict:
+    """The MLA kernel's compile-time arguments and launch options for ``config`` on a step of
+    ``query_len`` new tokens and ``group`` query heads a head block, with partitions of at
+    least ``partition_size`` tokens (tiles never straddle one: works start on partition
+    boundaries)."""
+    return dict(
+        QUERY_LEN=query_len,
+        GROUP=group,
+        HEAD_DIM_V=MLA_HEAD_DIM_V,
+        ROPE_DIM=MLA_ROPE_DIM,
+        PAGE_SIZE=page_size,
+        BLOCK_M=max(16, next_power_of_2(query_len * group)),
+        BLOCK_N=min(config.block_n, partition_size),
+        SCALE_MODE=SCALE_MODES[kv_scale],
+        WRITE_LSE=write_lse,
+        DOT_FP32=interpreting(),
+        UNMASKED_LOOP=config.unmasked_loop,
+        CHUNKS=MLA_HEAD_DIM_V // config.head_chunk,
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
 # Prepared MLA decode steps by call signature (see ``mla_decode``'s fast path).
 _MLA_STEPS: dict[tuple, MLAStep] = {}
 
@@ -550,9 +586,7 @@ class MLAStep:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         if sm_scale is None:
             sm_scale = MLA_ROW_DIM**-0.5
-        config = launch_config or mla_launch_config(kv_dtype=shape.kv_dtype, rows=plan.rows)
-        # Tiles never straddle a partition (works start on partition boundaries).
-        block_n = min(config.block_n, plan.min_partition_size)
+        config = launch_config or mla_launch_config(kv_dtype=shape.kv_dtype)
         scale_strides = scale.stride() if shape.kv_scale == "per_token" else (0, 0)
         self.ints = (
             *q.stride(),
@@ -570,22 +604,14 @@ class MLAStep:
             plan.lse_offset,
             sm_scale * LOG2E,
         )
-        constexprs = dict(
-            QUERY_LEN=plan.query_len,
-            GROUP=plan.group,
-            HEAD_DIM_V=MLA_HEAD_DIM_V,
-            ROPE_DIM=MLA_ROPE_DIM,
-            PAGE_SIZE=shape.page_size,
-            BLOCK_M=max(16, next_power_of_2(plan.rows)),
-            BLOCK_N=block_n,
-            SCALE_MODE=SCALE_MODES[shape.kv_scale],
-            WRITE_LSE=lse is not None,
-            DOT_FP32=interpreting(),
-            UNMASKED_LOOP=config.unmasked_loop,
-            CHUNKS=MLA_HEAD_DIM_V // config.head_chunk,
-            NUM_STAGES=config.num_stages,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+        constexprs = mla_constexprs(
+            config,
+            query_len=plan.query_len,
+            group=plan.group,
+            page_size=shape.page_size,
+            kv_scale=shape.kv_scale,
+            partition_size=plan.min_partition_size,
+            write_lse=lse is not None,
         )
         self.launch = decode_launch(
             _mla_decode_kernel,

@@ -32,6 +32,10 @@ from .common import LN2, bad_page, dot_any, grid_dependency, work_record
 from .decode import SCALE_TENSOR, SCALE_TOKEN, _load_q_chunk, _store_rows, _token_scales
 from .records import FAULT_PAGE_ID
 
+# The scale modes (constexpr SCALE_MODE) as the kernels compare them.
+MODE_TENSOR = tl.constexpr(SCALE_TENSOR)
+MODE_TOKEN = tl.constexpr(SCALE_TOKEN)
+
 
 @triton.jit
 def _load_tile(row_ptr, cols, stride_dim, tok_ok, MASKED: tl.constexpr):
@@ -114,7 +118,7 @@ def _mla_tile(
     rope_cols = HEAD_DIM_V + tl.arange(0, ROPE_DIM)
     rope = _load_tile(row_ptr, rope_cols, kv_strides[2], tok_ok, MASKED)
     s = dot_any(q_rope, tl.trans(rope.to(q_rope.dtype)), DOT_FP32, s)
-    if SCALE_MODE == SCALE_TOKEN:
+    if SCALE_MODE == MODE_TOKEN:
         row_scale = _token_scales(
             scale_ptr,
             page64 * scale_strides[0] + slot_in_page * scale_strides[1],
@@ -138,7 +142,7 @@ def _mla_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     # -- accumulate P V with V = the latent chunks already loaded --
-    if SCALE_MODE == SCALE_TOKEN:
+    if SCALE_MODE == MODE_TOKEN:
         # The row's scale is its value's too: P's columns are taken relative to the tile's
         # largest scale (out of fp16 subnormals), and the accumulator is kept in units of the
         # last tile's (v_norm), so the change of unit joins alpha.
@@ -215,7 +219,7 @@ def _mla_decode_kernel(
     row_tok = offs_m // GROUP
     row_head = offs_m % GROUP
     row_ok = offs_m < ROWS
-    if SCALE_MODE == SCALE_TENSOR:
+    if SCALE_MODE == MODE_TENSOR:
         # One scale for every row: into the score scale, and out at the end.
         tensor_scale = tl.load(scale_ptr)
         qk_scale = qk_scale * tensor_scale
@@ -307,7 +311,7 @@ def _mla_decode_kernel(
         # A row that saw no key (a padding slot; causal masking in a partial) gets zeros and
         # LSE -inf; a faulty work's rows get NaN.
         nan_rows = invalid | page_fault
-        if SCALE_MODE == SCALE_TOKEN:
+        if SCALE_MODE == MODE_TOKEN:
             o_unit = v_norm
         else:
             o_unit = tensor_scale
