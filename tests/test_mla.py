@@ -773,13 +773,16 @@ def test_ops_are_bitwise_eager(gen):
     inputs = make_inputs(step)
     args = (inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens)
     plan = plan_for(step)
-    want, want_lse = pagedattn.mla_decode(*args, scale=inputs.scale, plan=plan, return_lse=True)
+    kw = dict(scale=inputs.scale, plan=plan, sm_scale=0.05)
+    want, want_lse = pagedattn.mla_decode(*args, **kw, return_lse=True)
     assert plan.reduce_items(), "setup: expected a cut sequence (the reducer's path)"
-    out, lse = ops.mla_decode(*args, scale=inputs.scale, plan=plan, return_lse=True)
+    out, lse = ops.mla_decode(*args, **kw, return_lse=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     out32 = torch.full((*inputs.q.shape[:2], DV), 5.0, device=DEVICE)
-    got = ops.mla_decode(*args, scale=inputs.scale, plan=plan, out=out32)
-    assert got is out32 and rel_error(out32, mla_decode_torch(*args, scale=inputs.scale)) < 2e-3
+    got, got_lse = ops.mla_decode(*args, **kw, out=out32, return_lse=True)
+    assert got is out32 and torch.equal(got_lse, want_lse)
+    ref = mla_decode_torch(*args, scale=inputs.scale, sm_scale=0.05)
+    assert rel_error(out32, ref) < 2e-3 and rel_error(want, ref) < TOLERANCE
     # The cache write through its op: the same bytes.
     latent = torch.randn(3, MLA_ROW_DIM, generator=gen, device=DEVICE).to(BF16)
     slots = torch.tensor([2, -1, 40], dtype=torch.int32, device=DEVICE)
