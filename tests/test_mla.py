@@ -808,6 +808,8 @@ def _compiled_step(plan, seq_lens, q, kv_cache, block_table, scale, latent, slot
 
 
 def test_compile_fullgraph_matches_eager(gen):
+    """The step traced whole (aot_eager: Dynamo and the functionalization of the mutating
+    ops, with their real kernels): the same cache bytes and outputs as eager calls."""
     torch._dynamo.reset()
     compiled = torch.compile(_compiled_step, fullgraph=True, backend="aot_eager")
     step = Step((9, 20), num_heads=16, page_size=4, kv_dtype=FP8, kv_scale="per_tensor",
@@ -815,13 +817,21 @@ def test_compile_fullgraph_matches_eager(gen):
     inputs = make_inputs(step)
     plan, eager_plan = plan_for(step), plan_for(step)
     latent = torch.randn(2, MLA_ROW_DIM, generator=gen, device=DEVICE).to(BF16)
-    slots = torch.tensor([-1, -1], dtype=torch.int64, device=DEVICE)  # writes nothing
-    cache = inputs.kv_cache.clone()
-    args = (inputs.q, cache, inputs.block_table, inputs.scale, latent, slots)
-    got = compiled(plan, inputs.seq_lens, *args)
-    want = _compiled_step(eager_plan, inputs.seq_lens, *args)
+    # Each sequence's last token rewritten.
+    slots = [
+        int(inputs.block_table[b, (n - 1) // step.page_size]) * step.page_size
+        + (n - 1) % step.page_size
+        for b, n in enumerate(step.lens)
+    ]
+    slots = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    cache, eager_cache = inputs.kv_cache.clone(), inputs.kv_cache.clone()
+    rest = (inputs.block_table, inputs.scale, latent, slots)
+    got = compiled(plan, inputs.seq_lens, inputs.q, cache, *rest)
+    want = _compiled_step(eager_plan, inputs.seq_lens, inputs.q, eager_cache, *rest)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+    assert torch.equal(_bits(cache), _bits(eager_cache))
+    assert not torch.equal(_bits(cache), _bits(inputs.kv_cache)), "setup: expected writes"
     assert not bool(got[0].isnan().any())
 
 
