@@ -561,7 +561,7 @@ def mla_decode(
     (:func:`pagedattn.plan_mla`, which runs the ``refill_plan`` op under torch.compile).
     ``options``: ``backend`` and ``launch_config``; eager calls with either other than its
     default go straight to :func:`pagedattn.mla_decode`, compiled ones raise."""
-    if options.get("backend") == "auto":
+    if options.get("backend") in ("auto", "triton"):  # the one family MLA runs on
         options.pop("backend")
     if any(value is not None for value in options.values()):
         _check_options("mla_decode", options)
