@@ -530,6 +530,23 @@ def test_cache_with_no_pages():
     assert bool(out[seq_rows(step, 0)].isnan().all()) and bool((out[seq_rows(step, 1)] == 0).all())
 
 
+def test_empty_batch_and_backend_preference():
+    """An empty batch launches nothing and returns an empty output; a block that prefers the
+    Hopper family still plans and runs MLA on the portable one (the only one it has)."""
+    step = Step((), num_heads=16, seed=10)
+    inputs = make_inputs(step)
+    out, lse = pagedattn.mla_decode(
+        inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, return_lse=True
+    )
+    assert out.shape == (0, 16, DV) and lse.shape == (0, 16)
+    step = Step((5, 0), num_heads=16, page_size=4, head_chunk=512, seed=12)
+    inputs = make_inputs(step)
+    with pagedattn.backend.using_backend("gluon"):
+        out, lse, plan = run(step, inputs)
+    assert plan.num_kv_heads == 1 and plan.head_dim == DV
+    check_against_twin(step, inputs, out, lse)
+
+
 # ---------------------------------------------------------------- determinism
 
 
