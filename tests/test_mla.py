@@ -415,6 +415,23 @@ def test_every_chunk_width_and_page_tile_split(gen):
     assert plan.num_kv_heads == mla_head_blocks(128, 1) == 4
 
 
+@pytest.mark.parametrize("query_len", [2, 3, 4])
+def test_lengths_at_tile_boundaries(query_len):
+    """Lengths whose causal zone starts just before, at and just after a tile's end (32-row
+    FP8 tiles, 64-token partitions, 16-token pages): a key one position too many or too few
+    for a query row shows in these short sequences."""
+    tile = 32
+    lens = [query_len, tile + query_len - 2, tile + query_len - 1, tile + query_len]
+    lens += [2 * tile + query_len - 2, 3 * tile + query_len - 1]
+    step = Step(tuple(n * LENGTH_SCALE for n in lens), num_heads=16, query_len=query_len,
+                page_size=16, kv_dtype=FP8, kv_scale="per_token", partition_size=64,
+                num_programs=3, head_chunk=512, seed=70 + query_len)  # fmt: skip
+    assert pagedattn.mla.mla_launch_config(kv_dtype=FP8).block_n == tile
+    inputs = make_inputs(step)
+    out, lse, _ = run(step, inputs)
+    check_against_twin(step, inputs, out, lse)
+
+
 # ---------------------------------------------------------------- robustness
 
 ROBUST = Step(
@@ -810,6 +827,21 @@ def test_ops_are_bitwise_eager(gen):
     assert torch.equal(_bits(cache_a), _bits(cache_b)) and torch.equal(
         _bits(scale_a), _bits(scale_b)
     )
+
+
+def test_ops_pass_opcheck(gen):
+    """torch.library.opcheck on both ops (their schemas' mutations, fake implementations and
+    AOT dispatch), over a bf16 cache (its checks do arithmetic FP8 tensors lack on CPU)."""
+    step = Step((9, 3), num_heads=16, page_size=4, num_programs=2, partition_size=16, seed=61)
+    inputs = make_inputs(step)
+    plan = plan_for(step)
+    args = (inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, plan.metadata,
+            plan.partials, *ops._plan_args(plan), DV, None, None, True, False)  # fmt: skip
+    torch.library.opcheck(torch.ops.pagedattn.mla_decode.default, args)
+    latent = torch.randn(2, MLA_ROW_DIM, generator=gen, device=DEVICE).to(BF16)
+    slots = torch.tensor([1, -1], device=DEVICE)
+    args = (latent, inputs.kv_cache.clone(), slots, None, None, False)
+    torch.library.opcheck(torch.ops.pagedattn.append_mla.default, args)
 
 
 def _compiled_step(plan, seq_lens, q, kv_cache, block_table, scale, latent, slots):
