@@ -171,7 +171,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 class Watch:
     """What ``memory_checked`` found: the violations, as (kind, first address, count), and
-    the spans it allows (``allow`` adds one while the watch runs)."""
+    the spans it allows (``allow`` adds one while the watch runs). The first violation raises
+    in the kernel, before the access."""
 
     def __init__(self, reads: dict, writes: dict):
         self.violations = []
@@ -193,7 +194,9 @@ class Watch:
         for lo, hi in spans:
             inside |= (addresses >= lo) & (addresses + size <= hi)
         if not inside.all():
+            # Stopped before it happens: an access outside every tensor may crash the process.
             self.violations.append((kind, int(addresses[~inside][0]), int((~inside).sum())))
+            raise AssertionError(f"accesses outside the call's tensors: {self.violations}")
 
 
 @contextlib.contextmanager
