@@ -435,6 +435,32 @@ def test_lengths_at_tile_boundaries(query_len):
     check_against_twin(step, inputs, out, lse)
 
 
+def test_any_strides():
+    """Views with other strides than their own shape's: rows of a wider cache, every other
+    column of q, per-token scales out of a wider tensor, every other head of ``out``."""
+    step = Step((37, 5, 80), num_heads=16, query_len=2, page_size=16, kv_dtype=FP8,
+                kv_scale="per_token", head_chunk=512, seed=5)  # fmt: skip
+    inputs = make_inputs(step)
+    pages, page_size = inputs.kv_cache.shape[:2]
+    wide = torch.empty(pages, page_size, 1024, dtype=FP8, device=DEVICE)
+    wide.view(torch.uint8).fill_(0x7F)
+    kv_cache = wide[:, :, 100 : 100 + MLA_ROW_DIM]
+    kv_cache.copy_(inputs.kv_cache)
+    scales = torch.full((pages, page_size, 3), float("nan"), device=DEVICE)
+    scale = scales[..., 1]
+    scale.copy_(inputs.scale)
+    rows = inputs.q.shape[0]
+    q = torch.zeros(rows, 16, 2 * MLA_ROW_DIM, dtype=BF16, device=DEVICE)[..., ::2]
+    q.copy_(inputs.q)
+    out = torch.full((rows, 32, DV), POISON, device=DEVICE)[:, ::2]
+    got = pagedattn.mla_decode(q, kv_cache, inputs.block_table, inputs.seq_lens, scale=scale,
+                               out=out)  # fmt: skip
+    assert got is out
+    ref = reference(step, inputs)[0]
+    for b in range(len(step.lens)):
+        assert rel_error(out[seq_rows(step, b)], ref[seq_rows(step, b)]) <= TOLERANCE
+
+
 # ---------------------------------------------------------------- robustness
 
 ROBUST = Step(
