@@ -11,6 +11,7 @@ from .cache import (
     quantize_kv,
 )
 from .decode import paged_decode
+from .mla import append_mla, mla_decode, plan_mla
 from .plan import DecodePlan, WorkItem, plan_decode
 
 # The custom ops (torch.ops.pagedattn.*), so torch.compile traces the calls above.
@@ -22,10 +23,13 @@ __all__ = [
     "WorkItem",
     "__version__",
     "append_kv",
+    "append_mla",
     "block_table_to_indptr",
     "build_paged_cache",
     "indptr_to_block_table",
+    "mla_decode",
     "paged_decode",
     "plan_decode",
+    "plan_mla",
     "quantize_kv",
 ]

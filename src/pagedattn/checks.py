@@ -17,6 +17,7 @@ import torch
 
 from ._kernels import records
 from ._kernels.common import interpreting
+from ._kernels.limits import MLA_HEAD_DIM_V
 from .buffers import DecodePlan
 from .signature import (  # noqa: F401  (the call keys, read here by their callers too)
     MAX_SIGNATURES,
@@ -27,6 +28,8 @@ from .signature import (  # noqa: F401  (the call keys, read here by their calle
 )
 
 HEAD_DIMS = (64, 128, 256)
+# A plan's head_dim (the width of its partial rows): a GQA step's, or an MLA step's value width.
+PLAN_HEAD_DIMS = (*HEAD_DIMS, MLA_HEAD_DIM_V)
 # FP8 caches: e4m3fn (OCP, NVIDIA; largest 448) and e4m3fnuz (AMD MI300's; largest 240).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 KV_DTYPES = (torch.bfloat16, torch.float16, *FP8_DTYPES)
@@ -261,8 +264,8 @@ def check_plan_args(
             f"a multiple of num_kv_heads={num_kv_heads}",
             num_q_heads,
         )
-    if head_dim not in HEAD_DIMS or not _is_int(head_dim):
-        _fail(ValueError, "head_dim", f"one of {HEAD_DIMS}", head_dim)
+    if head_dim not in PLAN_HEAD_DIMS or not _is_int(head_dim):
+        _fail(ValueError, "head_dim", f"one of {PLAN_HEAD_DIMS}", head_dim)
     _positive_int("page_size", page_size)
     if not _is_pow2(page_size) or page_size > MAX_PAGE_SIZE:
         _fail(ValueError, "page_size", f"a power of two in 1..{MAX_PAGE_SIZE}", page_size)

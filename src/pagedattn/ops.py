@@ -1,6 +1,6 @@
 """The decode step as ``torch.library`` custom ops, for ``torch.compile`` and CUDA graphs.
 
-Four ops in the ``pagedattn`` namespace, each with a fake (meta) implementation so that
+Seven ops in the ``pagedattn`` namespace, each with a fake (meta) implementation so that
 ``torch.compile(fullgraph=True)`` traces them without graph breaks:
 
 - ``torch.ops.pagedattn.refill_plan(seq_lens, metadata, batch, query_len, num_q_heads,
@@ -18,6 +18,12 @@ Four ops in the ``pagedattn`` namespace, each with a fake (meta) implementation 
 - ``torch.ops.pagedattn.append_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale,
   v_scale, kv_scale, debug)``: :func:`pagedattn.append_kv`, the step's cache write; it
   declares the caches and the scales as mutated (per-token scales are written).
+- ``torch.ops.pagedattn.mla_decode(q, kv_cache, block_table, seq_lens, metadata, partials,
+  <plan sizes>, head_dim_v, sm_scale, scale, return_lse, debug) -> (out, lse)`` and
+  ``torch.ops.pagedattn.mla_decode_out(..., debug, out, lse)``: :func:`pagedattn.mla_decode`,
+  as the two decode ops above; ``torch.ops.pagedattn.append_mla(latent, kv_cache,
+  slot_mapping, scale, kv_scale, debug)``: :func:`pagedattn.append_mla` (the cache and the
+  scale mutated).
 
 The decode ops declare the plan's ``metadata`` (the kernels record faults there) and
 ``partials`` (scratch for split sequences) as mutated, so the compiler orders them after the
@@ -46,13 +52,13 @@ import itertools
 
 import torch
 
-from . import decode
+from . import decode, mla
 from . import plan as planning
 from .backend import check_traced_options
 from .cache import append_kv as eager_append_kv
 from .plan import DecodePlan, plan_sizes, refill_plan
 
-__all__ = ["append_kv", "paged_decode", "plan_decode", "refill_plan"]
+__all__ = ["append_kv", "append_mla", "mla_decode", "paged_decode", "plan_decode", "refill_plan"]
 
 # -- the ops' parameters, written once, as in a schema ----------------------------------------
 
@@ -298,3 +304,111 @@ def append_kv(
     torch.ops.pagedattn.append_kv(
         k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale, debug
     )
+
+
+# -- MLA decode and its cache write -----------------------------------------------------------
+
+_MLA_INPUTS = (
+    "Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "
+    f"Tensor partials, {_PLAN_SIZES}, SymInt head_dim_v, float? sm_scale, Tensor? scale"
+)
+_MLA_PARAMS = f"{_MLA_INPUTS}, bool return_lse, bool debug"
+_MLA_OUT_PARAMS = f"{_MLA_INPUTS}, bool debug, Tensor out, Tensor? lse"
+
+
+def _mla(arg: dict, **more):
+    """:func:`pagedattn.mla_decode` on an MLA op's arguments by name, with a plan rebuilt
+    around the op's buffers."""
+    sizes = {name: arg.pop(name) for name in _PLAN_FIELDS}
+    plan = _rebuild_plan(arg.pop("metadata"), arg.pop("partials"), sizes)
+    return mla.mla_decode(**arg, **more, plan=plan)
+
+
+@_custom_op("mla_decode", _MLA_PARAMS, mutates=("metadata", "partials"), returns="(Tensor, Tensor)")
+def _mla_decode_op(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    arg = _named(_MLA_PARAMS, args)
+    if arg["return_lse"]:
+        return _mla(arg)
+    return _mla(arg), arg["q"].new_empty(0, dtype=torch.float32)
+
+
+@_mla_decode_op.register_fake
+def _(*args):
+    arg = _named(_MLA_PARAMS, args)
+    q = arg["q"]
+    out = q.new_empty(q.shape[0], q.shape[1], arg["head_dim_v"])
+    lse_shape = (q.shape[0], q.shape[1]) if arg["return_lse"] else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@_custom_op(
+    "mla_decode_out", _MLA_OUT_PARAMS, mutates=("metadata", "partials", "out", "lse"), returns="()"
+)
+def _mla_decode_out_op(*args) -> None:
+    arg = _named(_MLA_OUT_PARAMS, args)
+    lse = arg.pop("lse")
+    result = _mla(arg, return_lse=lse is not None)
+    if lse is not None:
+        lse.copy_(result[1])
+
+
+@_mla_decode_out_op.register_fake
+def _(*args) -> None:
+    return None
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, **arguments):
+    """:func:`pagedattn.mla_decode` through the custom ops under ``torch.compile``
+    (``torch.ops.pagedattn.mla_decode_out`` when ``out`` is given, else
+    ``torch.ops.pagedattn.mla_decode``; same arguments, results and errors); eager calls are
+    that function. ``backend`` (other than its default) and ``launch_config`` must be None
+    under ``torch.compile``."""
+    tensors = (q, kv_cache, block_table, seq_lens)
+    if not torch.compiler.is_compiling():
+        return mla.mla_decode(*tensors, **arguments)
+    backend = arguments.pop("backend", None)
+    options = {
+        "launch_config": arguments.pop("launch_config", None),
+        "backend": None if backend in ("auto", "triton") else backend,
+    }
+    check_traced_options("mla_decode", options)
+    given = dict(_TRACED_MLA_DEFAULTS, **arguments)
+    return mla.traced_mla_decode(*tensors, **given)
+
+
+_TRACED_MLA = inspect.signature(mla.traced_mla_decode).parameters
+_TRACED_MLA_DEFAULTS = {
+    name: param.default
+    for name, param in inspect.signature(mla.mla_decode).parameters.items()
+    if name in _TRACED_MLA and param.kind is inspect.Parameter.KEYWORD_ONLY
+}
+
+
+_APPEND_MLA_PARAMS = (
+    "Tensor latent, Tensor kv_cache, Tensor slot_mapping, Tensor? scale, str? kv_scale, bool debug"
+)
+
+
+@_custom_op("append_mla", _APPEND_MLA_PARAMS, mutates=("kv_cache", "scale"), returns="()")
+def _append_mla_op(*args) -> None:
+    arg = _named(_APPEND_MLA_PARAMS, args)
+    mla.append_mla(arg.pop("latent"), arg.pop("kv_cache"), arg.pop("slot_mapping"), **arg)
+
+
+@_append_mla_op.register_fake
+def _(*args) -> None:
+    return None
+
+
+def append_mla(
+    latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    kv_scale: str | None = None,
+    debug: bool = False,
+) -> None:
+    """:func:`pagedattn.append_mla` through ``torch.ops.pagedattn.append_mla`` (same
+    arguments, writes and errors)."""
+    torch.ops.pagedattn.append_mla(latent, kv_cache, slot_mapping, scale, kv_scale, debug)

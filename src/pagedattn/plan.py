@@ -81,8 +81,9 @@ def plan_decode(
         ``[batch]`` int32 on the compute device: tokens of each sequence in the cache,
         including its ``query_len`` new tokens. Read only on the device.
     num_q_heads, num_kv_heads, head_dim, page_size, query_len : int
-        The step's shape; ``num_q_heads % num_kv_heads == 0``; ``head_dim`` in (64, 128, 256);
-        ``page_size`` a power of two in 1..4096.
+        The step's shape; ``num_q_heads % num_kv_heads == 0``; ``head_dim`` in (64, 128, 256),
+        or 512 for an MLA step (its value width; :func:`pagedattn.plan_mla` makes those
+        plans); ``page_size`` a power of two in 1..4096.
     kv_dtype : torch.dtype
         ``torch.bfloat16``, ``torch.float16``, ``torch.float8_e4m3fn`` or
         ``torch.float8_e4m3fnuz``.

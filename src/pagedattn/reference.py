@@ -19,7 +19,14 @@ from ._kernels import records
 from ._kernels.schedule import AUTO_LARGE, AUTO_SMALL, AUTO_SMALL_MAX_LEN, AUTO_WHOLE_MAX_LEN
 from .buffers import INVARIANT_MAX_CHUNKS, REDUCE_FIELDS, WORK_FIELDS, plan_sizes
 
-__all__ = ["append_kv_torch", "dequantize_kv", "paged_decode_torch", "rel_error"]
+__all__ = [
+    "append_kv_torch",
+    "append_mla_torch",
+    "dequantize_kv",
+    "mla_decode_torch",
+    "paged_decode_torch",
+    "rel_error",
+]
 
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -382,6 +389,68 @@ def paged_decode_torch(
     return (out, lse) if return_lse else out
 
 
+def mla_decode_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    head_dim_v: int = 512,
+    sm_scale: float | None = None,
+    scale: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode (multi-head latent attention, absorbed form) in float64: the truth
+    :func:`pagedattn.mla_decode` is tested against.
+
+    Every query head attends the cache's one row per token, ``s = sm_scale * q . row`` over
+    the whole row, and takes the row's first ``head_dim_v`` dims as the value: GQA decode with
+    one kv head (:func:`paged_decode_torch`, whose rules and checks apply) whose output keeps
+    the first ``head_dim_v`` dims. Syncs with the host.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[batch * query_len, num_heads, row]``; bf16, fp16, float32 or float64.
+    kv_cache : torch.Tensor
+        ``[num_pages, page_size, row]`` (the latent, then the rotary key); bf16, fp16,
+        float32 or ``torch.float8_e4m3fn``.
+    block_table, seq_lens
+        As in :func:`paged_decode_torch`.
+    head_dim_v : int
+        The value width: the row's first ``head_dim_v`` dims.
+    sm_scale : float, optional
+        Softmax scale; default ``row ** -0.5``.
+    scale : torch.Tensor, optional
+        None (not for FP8), float32 of one element (per tensor) or ``[num_pages, page_size]``
+        (per token); it dequantises the row for its key and its value alike.
+    return_lse : bool
+        Also return the log-sum-exp of the scaled scores.
+
+    Returns
+    -------
+    out : torch.Tensor
+        float64 ``[q rows, num_heads, head_dim_v]``.
+    lse : torch.Tensor
+        Only with ``return_lse``: float64 ``[q rows, num_heads]``.
+    """
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
+        got = tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)
+        raise ValueError(f"kv_cache: expected [num_pages, page_size, row], got {got}")
+    if not 0 < head_dim_v <= kv_cache.shape[2]:
+        raise ValueError(f"head_dim_v: expected 1..{kv_cache.shape[2]}, got {head_dim_v}")
+    if scale is not None and scale.numel() != 1:
+        scale = scale.unsqueeze(-1)  # per token: one kv head
+    cache = kv_cache.unsqueeze(2)
+    result = paged_decode_torch(
+        q, cache, cache, block_table, seq_lens, sm_scale=sm_scale, k_scale=scale,
+        v_scale=scale, return_lse=return_lse,
+    )  # fmt: skip
+    if return_lse:
+        return result[0][..., :head_dim_v], result[1]
+    return result[..., :head_dim_v]
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``‖out − ref‖ / ‖ref‖`` in float64 (``ref`` moved to ``out``'s device); infinity when
     ``out`` holds a NaN or an infinity (e.g. an element a kernel never wrote into a poisoned
@@ -427,17 +496,43 @@ def append_kv_torch(
         num_pages, page_size = k_cache.shape[:2]
     else:
         num_pages, page_size = k_cache.shape[0], k_cache.shape[2]
+    writes = ((k, k_cache, k_scale), (v, v_cache, v_scale))
+    _append_torch(writes, slot_mapping, num_pages, page_size, kv_layout, kv_scale, debug)
+
+
+def append_mla_torch(
+    latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    kv_scale: str | None = None,
+    debug: bool = False,
+) -> None:
+    """:func:`pagedattn.append_mla` in torch: :func:`append_kv_torch`'s arithmetic with each
+    ``latent[t]`` (``[num_tokens, row]``) one (token, head) row of ``kv_cache[num_pages,
+    page_size, row]``; a per-token ``scale`` is ``[num_pages, page_size]``. The same bytes as
+    the kernel. Syncs with the host."""
+    num_pages, page_size = kv_cache.shape[:2]
+    writes = ((latent, kv_cache, scale),)
+    _append_torch(writes, slot_mapping, num_pages, page_size, "NHD", kv_scale, debug)
+
+
+def _append_torch(writes, slot_mapping, num_pages, page_size, kv_layout, kv_scale, debug):
+    """Each ``(x, cache, scale)`` of ``writes`` at the slots of ``slot_mapping`` (the cache
+    writes' arithmetic; see :func:`append_kv_torch`)."""
     num_slots = num_pages * page_size
-    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    device = writes[0][1].device
+    slots = slot_mapping.to(device=device, dtype=torch.int64)
     in_cache = (slots >= 0) & (slots < num_slots)
     rows = in_cache.nonzero().flatten()
     pages, offsets = slots[rows] // page_size, slots[rows] % page_size
-    fp8 = k_cache.dtype in _FP8_DTYPES
+    fp8 = writes[0][1].dtype in _FP8_DTYPES
     if fp8 and kv_scale not in ("per_tensor", "per_token"):
         raise ValueError(
             f"kv_scale: expected 'per_tensor' or 'per_token' for FP8, got {kv_scale!r}"
         )
-    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+    for x, cache, scale in writes:
         x = x[rows.to(x.device)].to(cache.device)
         if not fp8:
             values = x.to(cache.dtype)

@@ -46,6 +46,18 @@ def _fp8_bits(y, EXPONENT_BIAS: tl.constexpr, NEGATIVE_ZERO: tl.constexpr):
 
 
 @triton.jit
+def slot_place(slot_mapping_ptr, token, page_size, num_slots):
+    """Token ``token``'s slot as ``(page, offset, in_cache)``, int64. The slot is never
+    trusted: padding (-1) and slots outside ``[0, num_slots)`` are not ``in_cache`` and give
+    page 0, offset 0 (no address is formed from a bad slot, even a masked one)."""
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    in_cache = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(in_cache, slot, 0)
+    page = slot // page_size
+    return page, slot - page * page_size, in_cache
+
+
+@triton.jit
 def _write_rows(
     source_ptr,
     source_offsets,
@@ -127,12 +139,7 @@ def _append_kv_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
 
-    # -- the slot, never trusted: padding (-1) and slots outside the cache write nothing --
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    in_cache = (slot >= 0) & (slot < num_slots)
-    slot = tl.where(in_cache, slot, 0)  # no address from a bad slot, even a masked one
-    page = slot // page_size
-    offset = slot - page * page_size
+    page, offset, in_cache = slot_place(slot_mapping_ptr, token, page_size, num_slots)
 
     head_mask = (heads < NUM_KV_HEADS) & in_cache
     mask = head_mask[:, None] & (dims < HEAD_DIM)[None, :]

@@ -11,3 +11,8 @@ HOPPER_MIN_PAGE = 8  # shorter pages would break the bulk copies' 8-row swizzle 
 
 # log2(e): the kernels' softmax runs in log2 units, so sm_scale goes to them times this.
 LOG2E = 1.4426950408889634
+
+# Multi-head latent attention (pagedattn.mla): a cached row is the latent (the value, the
+# output's width) then the rotary key; scores run over the whole row.
+MLA_HEAD_DIM_V = 512
+MLA_ROPE_DIM = 64
