@@ -7,6 +7,7 @@ interpreter on the CPU."""
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 import torch
@@ -151,15 +152,55 @@ def test_mixed_steps_take_pagedattns_rows(model, prompts, monkeypatch):
     assert spoiled != expected
 
 
-def test_register_refuses_releases_without_a_route(monkeypatch):
+_FROM_5_19 = (
+    r"from 5\.19 continuous batching accepts only 'paged\|eager', 'sdpa' or implementations "
+    r"whose name contains 'flash'"
+)
+_FROM_5_24 = (
+    r"from 5\.24 the model's attention layer writes the paged cache and gathers the keys and "
+    r"values before it calls the attention function, so the function no longer receives the "
+    r"cache"
+)
+
+
+@pytest.mark.parametrize(
+    ("version", "reasons", "absent"),
+    [
+        # 5.19-5.23: continuous batching admits only its own names and FlashAttention ones.
+        ("5.19.0", [_FROM_5_19], ["5.24"]),
+        ("5.23.1", [_FROM_5_19], ["5.24"]),
+        ("5.19.0.dev0", [_FROM_5_19], ["5.24"]),
+        # 5.24 on: the layer writes and gathers the cache, and the 5.19 limit still holds.
+        ("5.24.0", [_FROM_5_24, _FROM_5_19], []),
+        ("5.25.2", [_FROM_5_24, _FROM_5_19], []),
+        # Older releases: outside the tested range, neither limit applies.
+        ("5.16.1", [], ["5.19", "5.24"]),
+        ("4.57.0", [], ["5.19", "5.24"]),
+    ],
+)
+def test_register_names_the_reason_for_the_release_in_use(monkeypatch, version, reasons, absent):
     import transformers  # the module as imported now (continuous batching may re-import it)
 
-    monkeypatch.setattr(transformers, "__version__", "5.19.0")
-    with pytest.raises(RuntimeError, match=r"expected transformers >=5.17,<5.19, got 5.19.0"):
+    monkeypatch.setattr(transformers, "__version__", version)
+    with pytest.raises(RuntimeError) as refused:
         pagedattn_transformers.register()
-    monkeypatch.setattr(transformers, "__version__", "5.16.1")
-    with pytest.raises(RuntimeError, match=r"got 5.16.1"):
-        pagedattn_transformers.register()
+    message = str(refused.value)
+    assert message.startswith(f"pagedattn.integrations.transformers: transformers {version}: ")
+    assert message.endswith("supported: transformers 5.17-5.18"), message
+    for reason in reasons:
+        assert re.search(reason, message), message
+    for other in absent:
+        assert other not in message, message
+
+
+@pytest.mark.parametrize("version", ["5.17.0", "5.18.0", "5.18.2", "5.18.0rc1"])
+def test_register_accepts_5_17_and_5_18(monkeypatch, version):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    monkeypatch.setitem(pagedattn_transformers._OPTIONS, "num_programs", None)  # restored after
+    assert pagedattn_transformers.register(num_programs=2) == "paged|pagedattn"
+    assert pagedattn_transformers._OPTIONS["num_programs"] == 2
 
 
 def test_plain_forward_without_the_paged_cache_is_refused():

@@ -11,14 +11,18 @@
 
 Versions: transformers >= 5.17, < 5.19. Those releases let continuous batching run any
 attention function registered under a ``paged|`` name (``AttentionInterface.register``) and
-hand it the engine's paged cache with the step's indices. From 5.19 continuous batching accepts
-only ``"paged|eager"``, ``"sdpa"`` or a FlashAttention implementation (a name containing
-"flash"); a registered function under such a name is loaded as FlashAttention
-(``flash_attn_varlen_func`` from a Hub kernel), its paged decode path is enabled only for
-FlashAttention 2/3 on CUDA or XPU, and the attention function no longer receives the cache
-(the model's attention layer writes it and gathers every sequence's keys and values before
-calling it). pagedattn is not a FlashAttention implementation, so :func:`register` refuses
-those releases rather than pose as one.
+hand it the engine's paged cache with the step's indices. :func:`register` refuses the others,
+naming the reason for the release in use:
+
+- from 5.19 continuous batching accepts only ``"paged|eager"``, ``"sdpa"`` or a name containing
+  "flash"; such a name is loaded as FlashAttention (``flash_attn_varlen_func`` from a Hub
+  kernel), and the paged decode path is enabled only for FlashAttention 2/3 on CUDA or XPU.
+  pagedattn is not a FlashAttention implementation, and does not pose as one;
+- from 5.24, in addition, the model's attention layer writes the paged cache and gathers every
+  sequence's keys and values before it calls the attention function, so the function no
+  longer receives the cache;
+- below 5.17: not tested (the integration reads the continuous-batching cache and step
+  arguments of 5.17 and 5.18).
 
 What one step does (transformers packs the step's new tokens of all requests into one row
 list, ``cu_seq_lens_q``; each request reads ``cu_seq_lens_k`` tokens of cache):
@@ -98,23 +102,46 @@ def register(*, num_programs: int | None = None) -> str:
     Raises
     ------
     RuntimeError
-        When the installed transformers is outside :data:`SUPPORTED_VERSIONS` (see the
-        module's notes for why).
+        When the installed transformers is outside :data:`SUPPORTED_VERSIONS`; the message
+        says why that release has no route.
     """
     import transformers
-    from packaging.specifiers import SpecifierSet
     from transformers import AttentionInterface
 
-    if transformers.__version__ not in SpecifierSet(",".join(SUPPORTED_VERSIONS)):
-        raise RuntimeError(
-            f"pagedattn.integrations.transformers: expected transformers "
-            f"{','.join(SUPPORTED_VERSIONS)}, got {transformers.__version__}: from 5.19 "
-            "continuous batching runs only 'paged|eager', 'sdpa' or FlashAttention "
-            "implementations and no longer passes the paged cache to the attention function"
-        )
+    reason = _unsupported_reason(transformers.__version__)
+    if reason is not None:
+        raise RuntimeError(f"pagedattn.integrations.transformers: {reason}")
     _OPTIONS["num_programs"] = num_programs
     AttentionInterface.register(NAME, paged_attention_forward)
     return NAME
+
+
+def _unsupported_reason(version: str) -> str | None:
+    """Why :func:`register` refuses transformers ``version`` (a version string), or None
+    when its release (major.minor) is in :data:`SUPPORTED_VERSIONS`. Pre-releases count as the
+    release they lead to (a 5.19 development build has 5.19's continuous batching)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    release = Version(version).release[:2]
+    if ".".join(map(str, release)) in SpecifierSet(",".join(SUPPORTED_VERSIONS)):
+        return None
+    supported = "supported: transformers 5.17-5.18"
+    if release >= (5, 24):
+        return (
+            f"transformers {version}: from 5.24 the model's attention layer writes the paged "
+            "cache and gathers the keys and values before it calls the attention function, so "
+            "the function no longer receives the cache (and from 5.19 continuous batching "
+            "accepts only 'paged|eager', 'sdpa' or implementations whose name contains "
+            f"'flash'); {supported}"
+        )
+    if release >= (5, 19):
+        return (
+            f"transformers {version}: from 5.19 continuous batching accepts only "
+            "'paged|eager', 'sdpa' or implementations whose name contains 'flash' (loaded as "
+            f"FlashAttention), not a registered 'paged|' function; {supported}"
+        )
+    return f"transformers {version}: {supported}"
 
 
 @dataclass
