@@ -210,10 +210,10 @@ fi
 if [[ $MODE == cb || $MODE == all ]]; then
   # transformers' continuous batching: its paged|sdpa and pagedattn on a random ~1.1B Llama.
   # shellcheck disable=SC2086
-  timeout "${CB_SECONDS:-300}" python3 benchmarks/transformers_cb.py ${CB_ARGS:-} \
+  timeout "${CB_SECONDS:-600}" python3 benchmarks/transformers_cb.py ${CB_ARGS:---cuda-graph off,on} \
     >"$RESULTS/transformers_cb.md" 2>&1
-  summary+=("cb rc $?: $(grep -E '^\| paged|^tokens identical' "$RESULTS/transformers_cb.md" |
-    tr '\n' ' ')")
+  summary+=("cb rc $?: $(grep -E '^\| paged|^cb tokens equal|graph captures|failed' \
+    "$RESULTS/transformers_cb.md" | tr '\n' ' ')")
   tail -8 "$RESULTS/transformers_cb.md"
 fi
 
