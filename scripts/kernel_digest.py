@@ -11,9 +11,10 @@ arguments of ``families.portable.PortableStep``) for contiguous NHD caches and q
 arguments are specialised as a launch does (1 as a constant, multiples of 16 as divisible by
 16). Line info is left out of the PTX, so that moving code within the source changes no digest.
 
-The Hopper (Gluon) kernel's variants, named ``gluon-*``, are those its CPU build tests build
-(``pagedattn.testing.HOPPER_BUILDS``), through the same ``compile_sm90a``, plus trace stamps, a
-PDL launch and the tunings those tests leave at their defaults.
+The Hopper (Gluon) kernel's variants, named ``gluon-*``, are
+``pagedattn.testing.HOPPER_VARIANTS``: those its CPU build tests build, through the same
+``compile_sm90a``, plus trace stamps, a PDL launch and the tunings those tests leave at their
+defaults.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import triton  # before pagedattn: builds, not the interpreter, on a machine without a GPU
 
-from pagedattn.testing import HOPPER_BUILDS
+from pagedattn.testing import HOPPER_VARIANTS, HopperVariant
 
 NUM_KV_HEADS = 8
 PARTITION = 256  # tokens per partition (the default plan's largest)
@@ -299,53 +300,6 @@ def digest(v: Variant) -> str:
 
 
 # -- the Hopper (Gluon) kernel: variants named gluon-*, built as the CPU build tests build them --
-
-
-@dataclasses.dataclass(frozen=True)
-class HopperVariant:
-    name: str
-    build: tuple  # compile_sm90a's keyword arguments, as (name, value) pairs
-    pdl: bool = False  # launched with programmatic dependent launch (launch_pdl)
-
-
-def _hopper_variant(pdl: bool = False, **build) -> HopperVariant:
-    """A variant named by what it builds: KV (and scales), the form of the MMAs (``t`` for
-    transposed, ``rows``), rows, page size, head_dim, then whatever else differs from the
-    defaults."""
-    kv = build.get("kv_dtype", "float8_e4m3fn")
-    scale = {0: "", 1: "-tensor", 2: "-token"}[build.get("scale_mode", 1)]
-    group, query_len = build["group"], build.get("query_len", 1)
-    transposed = build.get("transposed")
-    if transposed is None:
-        transposed = group * query_len <= 16  # the default form (default_transposed)
-    name = (
-        f"gluon-{'fp8' if kv == 'float8_e4m3fn' else kv}{scale}-{'t' if transposed else 'rows'}"
-        f"-g{group}-q{query_len}-p{build.get('page_size', 1024)}-d{build.get('head_dim', 128)}"
-    )
-    flags = [("lse", "write_lse"), ("window", "window"), ("trace", "trace")]
-    name += "".join(f"-{label}" for label, key in flags if build.get(key))
-    for key, label in (("stages", "stages"), ("half", "half"), ("convert_regs", "conv")):
-        if key in build:
-            name += f"-{label}{build[key]}"
-    if "transposed" in build:
-        name += "-forced"
-    return HopperVariant(name + ("-pdl" if pdl else ""), tuple(sorted(build.items())), pdl)
-
-
-HOPPER_VARIANTS = [
-    *(_hopper_variant(**build) for build in HOPPER_BUILDS),  # the CPU build tests' builds
-    # Launch settings and tunings the tests do not build: trace stamps, PDL (a launch option
-    # only: the kernel always waits for the grid before it), the converter warps' tunings,
-    # three stages, the rows form forced on few rows.
-    _hopper_variant(group=8, trace=True),
-    _hopper_variant(group=16, query_len=4, page_size=16, scale_mode=2, trace=True),
-    _hopper_variant(group=8, pdl=True),
-    _hopper_variant(group=16, query_len=4, scale_mode=2, write_lse=True, pdl=True),
-    _hopper_variant(group=16, query_len=4, half=32),
-    _hopper_variant(group=16, query_len=4, half=32, convert_regs=48),
-    _hopper_variant(group=8, stages=3),
-    _hopper_variant(group=4, query_len=2, transposed=False),
-]
 
 
 def hopper_digest(v: HopperVariant) -> str:

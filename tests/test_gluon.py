@@ -25,7 +25,13 @@ import pagedattn
 from pagedattn._kernels import records
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.testing import HOPPER_BUILDS, fault_codes, random_step, reference_decode
+from pagedattn.testing import (
+    HOPPER_BUILDS,
+    fault_codes,
+    hopper_build_name,
+    random_step,
+    reference_decode,
+)
 
 GLUON_MISSING = importlib.util.find_spec("triton.experimental.gluon") is None
 WRONG_TRITON = not triton.__version__.startswith("3.6.")
@@ -126,16 +132,7 @@ def builds(tmp_path_factory):
 
 @needs_gluon_build
 @pytest.mark.xdist_group("gluon_build")  # one worker builds the variants (a module fixture)
-@pytest.mark.parametrize(
-    "variant",
-    VARIANTS,
-    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}{w}{t}{d}".format(
-        **{"query_len": 1, "page_size": 1024, "scale_mode": 1, "write_lse": False, **v},
-        w="-window" if v.get("window") else "",
-        t="-" + v["kv_dtype"] if "kv_dtype" in v else "",
-        d=f"-d{v['head_dim']}" if "head_dim" in v else "",
-    ),
-)
+@pytest.mark.parametrize("variant", VARIANTS, ids=hopper_build_name)
 def test_sm90a_build(builds, variant):
     r = builds[json.dumps(variant, sort_keys=True)]
     assert r["wgmma"], "expected warpgroup MMA (wgmma) in the PTX"

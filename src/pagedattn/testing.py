@@ -741,7 +741,7 @@ def check_append(case: Case) -> None:
 # ``families.hopper.compile_sm90a``'s keyword arguments for builds that between them cover each
 # form of the Hopper kernel (transposed and rows MMAs, FP8 per tensor and per token, 16-bit
 # caches, gathered tiles of short pages, head_dim 64/128/256, windows, the LSE output): the
-# builds the CPU build tests compile, and the first of ``scripts/kernel_digest.py``'s digests.
+# builds the CPU build tests compile, and the first of :data:`HOPPER_VARIANTS`.
 HOPPER_BUILDS = (
     [
         dict(group=g, scale_mode=m, write_lse=lse)
@@ -793,6 +793,62 @@ HOPPER_BUILDS = (
         )
     ]
     + [dict(group=8, page_size=16, window=True, write_lse=True, head_dim=256)]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperVariant:
+    """A build of the Hopper kernel: ``compile_sm90a``'s keyword arguments (``build``, as
+    sorted (name, value) pairs) and whether it is launched with programmatic dependent launch
+    (``pdl``: a launch option only; the kernel always waits for the grid before it)."""
+
+    name: str
+    build: tuple
+    pdl: bool = False
+
+
+def hopper_build_name(build: dict, pdl: bool = False) -> str:
+    """A Hopper build's name, from what it builds: KV (and scales), the form of the MMAs
+    (``t`` for transposed, ``rows``), rows, page size, head_dim, then whatever else differs
+    from ``compile_sm90a``'s defaults."""
+    kv = build.get("kv_dtype", "float8_e4m3fn")
+    scale = {0: "", 1: "-tensor", 2: "-token"}[build.get("scale_mode", 1)]
+    group, query_len = build["group"], build.get("query_len", 1)
+    transposed = build.get("transposed")
+    if transposed is None:
+        transposed = group * query_len <= 16  # the default form (default_transposed)
+    name = (
+        f"gluon-{'fp8' if kv == 'float8_e4m3fn' else kv}{scale}-{'t' if transposed else 'rows'}"
+        f"-g{group}-q{query_len}-p{build.get('page_size', 1024)}-d{build.get('head_dim', 128)}"
+    )
+    flags = [("lse", "write_lse"), ("window", "window"), ("trace", "trace")]
+    name += "".join(f"-{label}" for label, key in flags if build.get(key))
+    for key, label in (("stages", "stages"), ("half", "half"), ("convert_regs", "conv")):
+        if key in build:
+            name += f"-{label}{build[key]}"
+    if "transposed" in build:
+        name += "-forced"
+    return name + ("-pdl" if pdl else "")
+
+
+def hopper_variant(pdl: bool = False, **build) -> HopperVariant:
+    """The variant that builds ``compile_sm90a(**build)``, launched with PDL or not."""
+    return HopperVariant(hopper_build_name(build, pdl), tuple(sorted(build.items())), pdl)
+
+
+# Every Hopper build whose PTX ``scripts/kernel_digest.py --family hopper`` digests: the CPU
+# build tests' builds, then launch settings and tunings those tests do not build: trace
+# stamps, PDL, the converter warps' tunings, three stages, the rows form forced on few rows.
+HOPPER_VARIANTS = (
+    *(hopper_variant(**build) for build in HOPPER_BUILDS),
+    hopper_variant(group=8, trace=True),
+    hopper_variant(group=16, query_len=4, page_size=16, scale_mode=2, trace=True),
+    hopper_variant(group=8, pdl=True),
+    hopper_variant(group=16, query_len=4, scale_mode=2, write_lse=True, pdl=True),
+    hopper_variant(group=16, query_len=4, half=32),
+    hopper_variant(group=16, query_len=4, half=32, convert_regs=48),
+    hopper_variant(group=8, stages=3),
+    hopper_variant(group=4, query_len=2, transposed=False),
 )
 
 
