@@ -79,6 +79,51 @@ class AppendCase:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """A decode step's sizes and KV format, as ``plan_decode`` takes them: the one description
+    of a step's shape that tests, scripts and benchmarks build their steps and plans from.
+    A test's own case type may extend it (its fields stay keyword-only)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    query_len: int = 1
+    kv_dtype: torch.dtype = torch.bfloat16
+    kv_scale: str | None = None  # None (16-bit caches), "per_tensor" or "per_token"
+
+    @staticmethod
+    def of(source, **changes) -> StepShape:
+        """The shape of ``source``, any object that names these fields (a test's case, a
+        benchmark's), with ``changes`` (for fields it names otherwise, or not at all)."""
+        names = [f.name for f in dataclasses.fields(StepShape) if f.name not in changes]
+        return StepShape(**{name: getattr(source, name) for name in names}, **changes)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    def plan_sizes(self) -> dict:
+        """``plan_decode``'s size arguments (:func:`random_step` takes the same)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(StepShape)}
+
+    def cache_sizes(self) -> dict:
+        """``build_paged_cache``'s size arguments."""
+        sizes = self.plan_sizes()
+        del sizes["num_q_heads"], sizes["query_len"]
+        return sizes
+
+    def random_step(self, lens, **options) -> tuple[PagedCache, torch.Tensor]:
+        """:func:`random_step` of this shape (``options``: its other arguments)."""
+        return random_step(lens, **self.plan_sizes(), **options)
+
+    def plan(self, seq_lens: torch.Tensor, **options):
+        """``plan_decode`` for a step of this shape (``options``: its other arguments)."""
+        return plan_decode(seq_lens, **self.plan_sizes(), **options)
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     query_len: int
@@ -93,6 +138,10 @@ class Geometry:
     window: bool
     num_programs: int | None
     partition_size: int | None
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape.of(self, num_q_heads=self.num_kv_heads * self.group)
 
 
 @dataclasses.dataclass
@@ -265,22 +314,9 @@ def fault_codes(plan) -> dict[int, int]:
     return faults
 
 
-def _sizes(g: Geometry) -> dict:
-    """The geometry's sizes, as :func:`random_step` and ``plan_decode`` both take them."""
-    return dict(
-        num_q_heads=g.num_kv_heads * g.group,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        page_size=g.page_size,
-        query_len=g.query_len,
-        kv_dtype=g.kv_dtype,
-        kv_scale=g.kv_scale,
-    )
-
-
 def plan_options(g: Geometry) -> dict:
     """``plan_decode``'s keyword arguments for a step of this geometry."""
-    return dict(_sizes(g), num_programs=g.num_programs, partition_size=g.partition_size)
+    return dict(g.shape.plan_sizes(), num_programs=g.num_programs, partition_size=g.partition_size)
 
 
 def make_case(
@@ -296,9 +332,8 @@ def make_case(
     slots' rows and unused table columns point at one), a random query, and the step's cache
     write (its choices drawn from ``seed``, so the caller's random stream is untouched)."""
     g = geometry
-    cache, q = random_step(
+    cache, q = g.shape.random_step(
         lens,
-        **_sizes(g),
         q_dtype=g.q_dtype,
         device=device,
         generator=torch.Generator(device=device).manual_seed(seed),
