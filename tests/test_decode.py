@@ -14,6 +14,7 @@ from conftest import DEVICE, ON_GPU, requires_gpu
 
 import pagedattn
 from pagedattn._kernels.decode import _split_e4m3
+from pagedattn.bench.cases import SEED_SHAPE
 from pagedattn.launch import DecodeLaunchConfig, ReduceLaunchConfig
 from pagedattn.reference import paged_decode_torch, rel_error
 from pagedattn.testing import StepShape, reference_decode
@@ -442,11 +443,10 @@ def test_repeated_runs_are_bitwise_identical(gen):
 
 
 def seed_shape(query_len=1, *, kv_scale="per_tensor", kv_dtype=FP8) -> StepShape:
-    """The seed's shape: 16/1 heads, head_dim 128, page 1024."""
-    return StepShape(
-        num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=1024, query_len=query_len,
-        kv_dtype=kv_dtype, kv_scale=kv_scale,
-    )  # fmt: skip
+    """The seed's shape (16/1 heads, head_dim 128, page 1024) with this query and KV."""
+    return dataclasses.replace(
+        SEED_SHAPE, query_len=query_len, kv_dtype=kv_dtype, kv_scale=kv_scale
+    )
 
 
 def seed_step(batch, context, query_len, gen, *, kv_scale="per_tensor", kv_dtype=FP8):

@@ -458,16 +458,7 @@ def test_paged_decode_rejects_bad_feature_arguments(change, exc, pattern, gen):
     if kw.get("plan") == "ragged":
         kw["plan"] = _plan(step, cache.seq_lens, query_start_loc=_qsl([0, 1, 2]))
     with pytest.raises(exc, match=pattern):
-        pagedattn.paged_decode(
-            q,
-            cache.k_cache,
-            cache.v_cache,
-            cache.block_table,
-            cache.seq_lens,
-            k_scale=cache.k_scale,
-            v_scale=cache.v_scale,
-            **kw,
-        )
+        pagedattn.paged_decode(q, **cache.decode_args(), **kw)
 
 
 def test_plan_decode_rejects_bad_feature_arguments(gen):

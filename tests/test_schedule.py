@@ -6,6 +6,7 @@ import torch
 from conftest import DEVICE, ON_GPU, requires_gpu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_tuning_table import make_row
 
 import pagedattn
 from pagedattn.launch import (
@@ -403,29 +404,20 @@ def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, mo
     table = tmp_path / "user.csv"
     monkeypatch.setenv("PAGEDATTN_TUNING_TABLE", str(table))
     tuning.clear_cache()
-    row = dict(
+    # A row for this step's shape on this device, of this library version.
+    shape = StepShape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    row = make_row(
         device_name=device_name(device),
         sm_count=sm_count(device),
-        query_len=1,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=16,
-        kv_dtype="bf16",
-        kv_scale="none",
+        **shape.plan_sizes(),
         batch_bucket=4,
         context_bucket=1024,
         grid_multiplier=3,
         partition_size=64,
-        tuned_us=10.0,
-        default_us=12.0,
         pagedattn_version=pagedattn.__version__,
-        triton_version="3.6.0",
-        date="2026-11-30",
     )
     tuning.upsert(table, [row])
     seq_lens = torch.tensor([100, 900, 5], dtype=torch.int32, device=DEVICE)
-    shape = StepShape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
     try:
         tuned = shape.plan(seq_lens, max_seq_len=900)
         assert tuned.num_programs == 3 * sm_count(device) + (3 * sm_count(device)) % 2

@@ -513,6 +513,18 @@ def expected_faults(case: Case) -> dict[int, int]:
     return faults
 
 
+def _decode_options(case: Case) -> dict:
+    """The keyword arguments of a decode of ``case`` (with its LSE), for ``paged_decode`` and
+    its float64 twin alike."""
+    return dict(
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+        kv_layout=case.geometry.kv_layout,
+        sliding_window=case.sliding_window,
+        return_lse=True,
+    )
+
+
 def run_case(case: Case, block_table: torch.Tensor | None = None):
     """Plans (from ``plan_lens``) and decodes into a poisoned ``out``; returns
     ``(out, lse, faults)`` with the faults as ``{seq: code}``."""
@@ -529,12 +541,8 @@ def run_case(case: Case, block_table: torch.Tensor | None = None):
         case.block_table if block_table is None else block_table,
         torch.tensor(case.lens, dtype=torch.int32, device=device),
         plan=plan,
-        k_scale=case.k_scale,
-        v_scale=case.v_scale,
-        kv_layout=g.kv_layout,
-        sliding_window=case.sliding_window,
         out=out,
-        return_lse=True,
+        **_decode_options(case),
     )
     return out, lse, fault_codes(plan)
 
@@ -580,11 +588,7 @@ def check_decode(case: Case) -> None:
         case.v_cache,
         case.block_table,
         torch.tensor(clean_lens, dtype=torch.int32, device=out.device),
-        k_scale=case.k_scale,
-        v_scale=case.v_scale,
-        kv_layout=g.kv_layout,
-        sliding_window=case.sliding_window,
-        return_lse=True,
+        **_decode_options(case),
     )
     err = rel_error(out[rows], ref[rows])
     assert err < TOLERANCE[g.q_dtype], f"rel error {err:.2e} of the valid rows ({where})"

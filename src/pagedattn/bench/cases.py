@@ -137,6 +137,11 @@ class Case:
         )
 
 
+# The seed workload's step: a case's defaults (16/1 heads, head_dim 128, FP8 KV per tensor,
+# page 1024), query_len 1.
+SEED_SHAPE = Case(batch=1, context=1).shape
+
+
 def ragged_lengths(batch: int, low: int, high: int, *, seed: int = RAGGED_SEED) -> list[int]:
     """``batch`` lengths uniform in ``low..high``, both included (NumPy ``default_rng(seed)``)."""
     rng = np.random.default_rng(seed)
