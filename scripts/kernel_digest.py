@@ -1,4 +1,4 @@
-"""Digests of the decode kernels' PTX for sm_90a, compiled on the CPU (no GPU: Triton's bundled
+"""Digests of the kernels' PTX for sm_90a, compiled on the CPU (no GPU: Triton's bundled
 ptxas), one line per variant: name, sha256 of the PTX, registers, spill stores / loads (bytes)
 and shared memory. Two runs print the same lines exactly when the code generated for
 these variants is the same, so a change meant to leave the kernel as it is can be checked by
@@ -11,9 +11,13 @@ arguments of ``families.portable.PortableStep``) for contiguous NHD caches and q
 arguments are specialised as a launch does (1 as a constant, multiples of 16 as divisible by
 16). Line info is left out of the PTX, so that moving code within the source changes no digest.
 
-The Hopper (Gluon) kernel's variants, named ``gluon-*``, are those its CPU build tests build
-(``pagedattn.testing.HOPPER_BUILDS``), through the same ``compile_sm90a``, plus trace stamps, a
-PDL launch and the tunings those tests leave at their defaults.
+The portable family's variants end with its scheduler's and reducer's launches (``schedule-*``,
+``reduce-*``), those the AMD targets build too (``KernelBuild``), sized for an H200's SMs.
+
+The Hopper (Gluon) kernel's variants, named ``gluon-*``, are
+``pagedattn.testing.HOPPER_VARIANTS``: those its CPU build tests build, through the same
+``compile_sm90a``, plus trace stamps, a PDL launch and the tunings those tests leave at their
+defaults.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import triton  # before pagedattn: builds, not the interpreter, on a machine without a GPU
 
-from pagedattn.testing import HOPPER_BUILDS
+from pagedattn.testing import HOPPER_VARIANTS, HopperVariant
 
 NUM_KV_HEADS = 8
 PARTITION = 256  # tokens per partition (the default plan's largest)
@@ -278,11 +282,18 @@ def _line(name: str, width: int, compiled, ptxas_log: str) -> str:
     )
 
 
-def digest(v: Variant) -> str:
+def digest(v) -> str:
+    """The sm_90a line of a decode ``Variant``, or of a ``KernelBuild`` of the scheduler or the
+    reducer."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
 
-    fn, signature, constexprs, attrs, options = _build(v)
+    from pagedattn.launch import Target
+
+    if isinstance(v, Variant):
+        fn, signature, constexprs, attrs, options = _build(v)
+    else:
+        fn, signature, constexprs, attrs, options = _kernel_source(v, Target())
     knobs.compilation.disable_line_info = True
     knobs.compilation.always_compile = True
     knobs.nvidia.dump_ptxas_log = True
@@ -299,53 +310,6 @@ def digest(v: Variant) -> str:
 
 
 # -- the Hopper (Gluon) kernel: variants named gluon-*, built as the CPU build tests build them --
-
-
-@dataclasses.dataclass(frozen=True)
-class HopperVariant:
-    name: str
-    build: tuple  # compile_sm90a's keyword arguments, as (name, value) pairs
-    pdl: bool = False  # launched with programmatic dependent launch (launch_pdl)
-
-
-def _hopper_variant(pdl: bool = False, **build) -> HopperVariant:
-    """A variant named by what it builds: KV (and scales), the form of the MMAs (``t`` for
-    transposed, ``rows``), rows, page size, head_dim, then whatever else differs from the
-    defaults."""
-    kv = build.get("kv_dtype", "float8_e4m3fn")
-    scale = {0: "", 1: "-tensor", 2: "-token"}[build.get("scale_mode", 1)]
-    group, query_len = build["group"], build.get("query_len", 1)
-    transposed = build.get("transposed")
-    if transposed is None:
-        transposed = group * query_len <= 16  # the default form (default_transposed)
-    name = (
-        f"gluon-{'fp8' if kv == 'float8_e4m3fn' else kv}{scale}-{'t' if transposed else 'rows'}"
-        f"-g{group}-q{query_len}-p{build.get('page_size', 1024)}-d{build.get('head_dim', 128)}"
-    )
-    flags = [("lse", "write_lse"), ("window", "window"), ("trace", "trace")]
-    name += "".join(f"-{label}" for label, key in flags if build.get(key))
-    for key, label in (("stages", "stages"), ("half", "half"), ("convert_regs", "conv")):
-        if key in build:
-            name += f"-{label}{build[key]}"
-    if "transposed" in build:
-        name += "-forced"
-    return HopperVariant(name + ("-pdl" if pdl else ""), tuple(sorted(build.items())), pdl)
-
-
-HOPPER_VARIANTS = [
-    *(_hopper_variant(**build) for build in HOPPER_BUILDS),  # the CPU build tests' builds
-    # Launch settings and tunings the tests do not build: trace stamps, PDL (a launch option
-    # only: the kernel always waits for the grid before it), the converter warps' tunings,
-    # three stages, the rows form forced on few rows.
-    _hopper_variant(group=8, trace=True),
-    _hopper_variant(group=16, query_len=4, page_size=16, scale_mode=2, trace=True),
-    _hopper_variant(group=8, pdl=True),
-    _hopper_variant(group=16, query_len=4, scale_mode=2, write_lse=True, pdl=True),
-    _hopper_variant(group=16, query_len=4, half=32),
-    _hopper_variant(group=16, query_len=4, half=32, convert_regs=48),
-    _hopper_variant(group=8, stages=3),
-    _hopper_variant(group=4, query_len=2, transposed=False),
-]
 
 
 def hopper_digest(v: HopperVariant) -> str:
@@ -374,6 +338,7 @@ def hopper_digest(v: HopperVariant) -> str:
 
 AMD_TARGETS = ("gfx942", "gfx950")  # CDNA3 (MI300), CDNA4 (MI350); LDS: launch.AMD_SHARED_BYTES
 AMD_CUS = {"gfx942": 80, "gfx950": 256}  # compute units of an MI308X (the seed's) and an MI355X
+H200_SMS = 132  # the SMs an sm_90a launch of the scheduler or the reducer is sized for
 # e4m3fnuz (MI300's FP8) forms of these sm_90a variants, as AMD launches build them.
 AMD_FNUZ_FROM = (
     "fp8-tensor-q1-d128-p128-tma",
@@ -390,9 +355,10 @@ AMD_FNUZ_FROM = (
 
 
 @dataclasses.dataclass(frozen=True)
-class AmdBuild:
-    """One build for an AMD target: a decode ``Variant``, or a launch of the scheduler, the
-    reducer or the cache write (``kernel``, with its parameters as (name, value) pairs)."""
+class KernelBuild:
+    """One build of a portable kernel: a decode ``Variant``, or a launch of the scheduler, the
+    reducer or the cache write (``kernel``, with its parameters as (name, value) pairs). AMD
+    targets build every one; sm_90a builds the scheduler and reducer ones too."""
 
     name: str
     kernel: str  # "decode", "schedule", "reduce" or "append"
@@ -400,7 +366,7 @@ class AmdBuild:
     variant: Variant | None = None
 
 
-def _amd_decode_builds() -> list[AmdBuild]:
+def _amd_decode_builds() -> list[KernelBuild]:
     """The sm_90a decode variants as an AMD launch builds them: no bulk copies ("-tma" leaves
     the name; a variant that then duplicates another goes), no PDL or trace stamps (PTX), and
     no ``exact`` twin (AMD configs never take Q K^T on FP8 MMAs); then e4m3fnuz forms."""
@@ -411,12 +377,12 @@ def _amd_decode_builds() -> list[AmdBuild]:
         amd = dataclasses.replace(v, name=v.name.replace("-tma", ""), tma=False, exact_qk=False)
         if dataclasses.replace(amd, name="") not in seen:
             seen.add(dataclasses.replace(amd, name=""))
-            builds.append(AmdBuild(amd.name, "decode", variant=amd))
+            builds.append(KernelBuild(amd.name, "decode", variant=amd))
     for v in VARIANTS:
         if v.name in AMD_FNUZ_FROM:
             name = "fnuz" + v.name.removeprefix("fp8").replace("-tma", "")
             builds.append(
-                AmdBuild(name, "decode", variant=dataclasses.replace(v, kv="fnuz", tma=False))
+                KernelBuild(name, "decode", variant=dataclasses.replace(v, kv="fnuz", tma=False))
             )
     return builds
 
@@ -425,34 +391,39 @@ AMD_BUILDS = [
     *_amd_decode_builds(),
     # The scheduler: one block held in registers (1 and 4 warps' worth), a batch scanned in
     # blocks with windows, ragged rows; the batch-invariant one.
-    AmdBuild("schedule-b64", "schedule", (("batch", 64),)),
-    AmdBuild("schedule-b1024-ragged", "schedule", (("batch", 1024), ("ragged", True))),
-    AmdBuild("schedule-b8192", "schedule", (("batch", 8192),)),
-    AmdBuild("schedule-invariant-b256", "schedule", (("batch", 256), ("invariant", True))),
+    KernelBuild("schedule-b64", "schedule", (("batch", 64),)),
+    KernelBuild("schedule-b1024-ragged", "schedule", (("batch", 1024), ("ragged", True))),
+    KernelBuild("schedule-b8192", "schedule", (("batch", 8192),)),
+    KernelBuild("schedule-invariant-b256", "schedule", (("batch", 256), ("invariant", True))),
     # The reducer: runs (one record) and many records, 8 and 64 rows; sinks, ragged rows, LSE.
-    AmdBuild("reduce-r8-runs", "reduce", (("rows", 8), ("records", 1))),
-    AmdBuild("reduce-r8-records", "reduce", (("rows", 8), ("records", 512))),
-    AmdBuild("reduce-r64-runs-lse", "reduce", (("rows", 64), ("records", 1), ("lse", True))),
-    AmdBuild(
+    KernelBuild("reduce-r8-runs", "reduce", (("rows", 8), ("records", 1))),
+    KernelBuild("reduce-r8-records", "reduce", (("rows", 8), ("records", 512))),
+    KernelBuild("reduce-r64-runs-lse", "reduce", (("rows", 64), ("records", 1), ("lse", True))),
+    KernelBuild(
         "reduce-r64-records-sinks-ragged-lse",
         "reduce",
         (("rows", 64), ("records", 512), ("sinks", True), ("ragged", True), ("lse", True)),
     ),
-    AmdBuild("reduce-r16-invariant", "reduce", (("rows", 16), ("records", None))),
+    KernelBuild("reduce-r16-invariant", "reduce", (("rows", 16), ("records", None))),
     # The cache write (append_kv): 16-bit, e4m3fn per tensor, e4m3fnuz per token.
-    AmdBuild("append-bf16", "append", (("kv", "bf16"), ("scale", None))),
-    AmdBuild("append-fp8-tensor", "append", (("kv", "fp8"), ("scale", "per_tensor"))),
-    AmdBuild("append-fnuz-token", "append", (("kv", "fnuz"), ("scale", "per_token"))),
+    KernelBuild("append-bf16", "append", (("kv", "bf16"), ("scale", None))),
+    KernelBuild("append-fp8-tensor", "append", (("kv", "fp8"), ("scale", "per_tensor"))),
+    KernelBuild("append-fnuz-token", "append", (("kv", "fnuz"), ("scale", "per_token"))),
 ]
 
 
-def _amd_schedule(target, batch: int, ragged: bool = False, invariant: bool = False):
+def _compute_units(target) -> int:
+    return AMD_CUS.get(target.arch, H200_SMS)
+
+
+def _schedule_build(target, batch: int, ragged: bool = False, invariant: bool = False):
     """A scheduler launch as ``plan_decode`` makes it: 8 kv heads of 8 query heads, the default
-    grid (``AMD_CUS`` x the default multiplier), partition size picked by the kernel."""
+    grid (the target's compute units x the default multiplier), partition size picked by the
+    kernel."""
     from pagedattn._kernels.schedule import _schedule_invariant_kernel, _schedule_kernel
     from pagedattn.launch import default_grid_multiplier, schedule_launch
 
-    cus = AMD_CUS[target.arch]
+    cus = _compute_units(target)
     num_programs = -(-cus * default_grid_multiplier(8) // NUM_KV_HEADS) * NUM_KV_HEADS
     launch = schedule_launch(
         None,
@@ -481,7 +452,7 @@ def _amd_schedule(target, batch: int, ragged: bool = False, invariant: bool = Fa
     return kernel, constexprs, {"num_warps": launch.warps}, {}
 
 
-def _amd_reduce(target, rows: int, records, sinks=False, ragged=False, lse=False):
+def _reduce_build(target, rows: int, records, sinks=False, ragged=False, lse=False):
     """A reducer launch as ``paged_decode`` makes it (``records`` None: a batch-invariant
     plan's tile), head_dim 128, 8 query heads a kv head."""
     from pagedattn._kernels.reduce import _reduce_kernel
@@ -491,7 +462,7 @@ def _amd_reduce(target, rows: int, records, sinks=False, ragged=False, lse=False
         red = invariant_reduce_config(rows=rows, head_dim=128)
     else:
         red = reduce_launch_config(
-            rows=rows, head_dim=128, records=records, sm_count=AMD_CUS[target.arch], target=target
+            rows=rows, head_dim=128, records=records, sm_count=_compute_units(target), target=target
         )
     constexprs = dict(
         QUERY_LEN=rows // 8, GROUP=8, HEAD_DIM=128, BLOCK_R=red.block_r, BLOCK_D=red.block_d,
@@ -503,7 +474,7 @@ def _amd_reduce(target, rows: int, records, sinks=False, ragged=False, lse=False
     return _reduce_kernel, constexprs, options, pointers
 
 
-def _amd_append(kv: str, scale: str | None):
+def _append_build(kv: str, scale: str | None):
     """A cache write of 8 kv heads of head_dim 128 from bf16 rows, as ``append_kv`` launches
     it on AMD: FP8 caches as bytes, a scale per tensor or per token."""
     from pagedattn._kernels.append import _append_kv_kernel
@@ -528,17 +499,17 @@ def _amd_append(kv: str, scale: str | None):
     return _append_kv_kernel, constexprs, {"num_warps": 4}, pointers
 
 
-def _amd_source(b: AmdBuild, target):
+def _kernel_source(b: KernelBuild, target):
     """(kernel, signature, constexprs, attrs, options) of build ``b`` on ``target``."""
     if b.kernel == "decode":
         return _build(b.variant, target)
     params = dict(b.params)
     if b.kernel == "schedule":
-        fn, constexprs, options, pointers = _amd_schedule(target, **params)
+        fn, constexprs, options, pointers = _schedule_build(target, **params)
     elif b.kernel == "reduce":
-        fn, constexprs, options, pointers = _amd_reduce(target, **params)
+        fn, constexprs, options, pointers = _reduce_build(target, **params)
     else:
-        fn, constexprs, options, pointers = _amd_append(**params)
+        fn, constexprs, options, pointers = _append_build(**params)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -566,7 +537,7 @@ def amd_digest(job: tuple) -> tuple[str, bool]:
     knobs.compilation.disable_line_info = True
     knobs.compilation.always_compile = True
     try:
-        fn, signature, constexprs, attrs, options = _amd_source(b, target)
+        fn, signature, constexprs, attrs, options = _kernel_source(b, target)
         compiled = triton.compile(
             triton.compiler.ASTSource(
                 fn=fn, signature=signature, constexprs=constexprs, attrs=attrs
@@ -631,7 +602,8 @@ def main() -> None:
             parser.error("--family hopper: the Hopper family builds for sm_90a only")
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_digest_")
         sys.exit(amd_main(args.target, args.names, args.jobs))
-    families = {"portable": VARIANTS, "hopper": HOPPER_VARIANTS}
+    portable = [*VARIANTS, *(b for b in AMD_BUILDS if b.kernel in ("schedule", "reduce"))]
+    families = {"portable": portable, "hopper": HOPPER_VARIANTS}
     chosen = [v for f, vs in families.items() if args.family in ("all", f) for v in vs]
     variants = [v for v in chosen if not args.names or any(n in v.name for n in args.names)]
     # A private cache: every run compiles, and no other cache is touched.

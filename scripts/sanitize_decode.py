@@ -6,7 +6,7 @@ import torch
 
 import pagedattn
 from pagedattn.reference import rel_error
-from pagedattn.testing import random_step, reference_decode
+from pagedattn.testing import StepShape, reference_decode
 
 FP8 = torch.float8_e4m3fn
 gen = torch.Generator(device="cuda").manual_seed(0)
@@ -23,18 +23,19 @@ cases = (
     ("HND", FP8, "per_token", None, 128, 16, 128),
 )
 for layout, kv_dtype, scale, window, head_dim, heads, page_size in cases:
-    step = dict(num_q_heads=heads, num_kv_heads=2, head_dim=head_dim, page_size=page_size)
-    step.update(query_len=3, kv_dtype=kv_dtype, kv_scale=scale)  # random_step's and the plan's
-    cache, q = random_step(
-        [1000, 37, 2500, 4], **step, kv_layout=layout, extra_pages=3, device="cuda", generator=gen
+    shape = StepShape(
+        num_q_heads=heads, num_kv_heads=2, head_dim=head_dim, page_size=page_size, query_len=3,
+        kv_dtype=kv_dtype, kv_scale=scale,
+    )  # fmt: skip
+    cache, q = shape.random_step(
+        [1000, 37, 2500, 4], kv_layout=layout, extra_pages=3, device="cuda", generator=gen
     )
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, kv_layout=layout, sliding_window=window)
     ref = reference_decode(q, cache, sliding_window=window)
     for backend in ("triton", "gluon") if hopper else ("triton",):
-        plan = pagedattn.plan_decode(
+        plan = shape.plan(
             cache.seq_lens,
-            **step,
             num_programs=16,
             partition_size=128 if backend == "gluon" else 64,  # at least the family's tile
         )

@@ -9,6 +9,7 @@ decode per entry point, run through Triton's interpreter on CPU, shows valid arg
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -19,7 +20,7 @@ import torch
 import pagedattn
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.testing import random_step
+from pagedattn.testing import StepShape
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # As tensors report it (cuda:0 on a GPU), for matching messages.
@@ -37,6 +38,7 @@ EXTRA_PAGES = 1
 NUM_PAGES = sum(math.ceil(n / PAGE) for n in LENS) + EXTRA_PAGES  # 2 + 3 + 1 = 6
 MAX_PAGES = max(math.ceil(n / PAGE) for n in LENS)  # 3
 NUM_PROGRAMS = 2  # explicit, small grid: fast in the interpreter
+SHAPE = StepShape(num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE)
 TOL = 2e-2  # relative error against the float64 reference (bf16 math is ~2e-3)
 
 
@@ -45,17 +47,7 @@ def _seq_lens(lens=LENS) -> torch.Tensor:
 
 
 def _plan_kwargs(**overrides) -> dict:
-    kwargs = dict(
-        num_q_heads=Q_HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=PAGE,
-        query_len=1,
-        kv_dtype=BF16,
-        kv_scale=None,
-        num_programs=NUM_PROGRAMS,
-        partition_size=16,
-    )
+    kwargs = dict(SHAPE.plan_sizes(), num_programs=NUM_PROGRAMS, partition_size=16)
     kwargs.update(overrides)
     return kwargs
 
@@ -71,11 +63,10 @@ def _inputs(
     seed=0,
 ) -> dict:
     """Valid ``paged_decode`` arguments (positional ones by name) for the base geometry."""
-    cache, q = random_step(
-        lens, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE,
-        device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(seed),
-        query_len=query_len, q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=kv_layout,
-        kv_scale=kv_scale, extra_pages=EXTRA_PAGES,
+    shape = dataclasses.replace(SHAPE, query_len=query_len, kv_dtype=kv_dtype, kv_scale=kv_scale)
+    cache, q = shape.random_step(
+        lens, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(seed),
+        q_dtype=q_dtype, kv_layout=kv_layout, extra_pages=EXTRA_PAGES,
     )  # fmt: skip
     return dict(q=q, **cache.decode_args())
 

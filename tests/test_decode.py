@@ -14,9 +14,10 @@ from conftest import DEVICE, ON_GPU, requires_gpu
 
 import pagedattn
 from pagedattn._kernels.decode import _split_e4m3
+from pagedattn.bench.cases import SEED_SHAPE
 from pagedattn.launch import DecodeLaunchConfig, ReduceLaunchConfig
 from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.testing import random_step, reference_decode
+from pagedattn.testing import StepShape, reference_decode
 
 pytestmark = pytest.mark.usefixtures("each_backend")  # each kernel family
 
@@ -35,19 +36,16 @@ def tolerance(kv_dtype, out_dtype, fp8_qk=False):
     return compute + rounding
 
 
-@dataclasses.dataclass
-class Case:
-    lens: tuple  # tokens per sequence (CPU sizes; scaled on GPU)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case(StepShape):
+    lens: tuple = dataclasses.field(kw_only=False)  # tokens per sequence (CPU; scaled on GPU)
     num_q_heads: int = 4
     num_kv_heads: int = 1
     head_dim: int = 64
     page_size: int = 16
-    kv_dtype: torch.dtype = torch.bfloat16
-    kv_scale: str | None = None
     q_dtype: torch.dtype = torch.bfloat16
     out_dtype: torch.dtype | None = None
     kv_layout: str = "NHD"
-    query_len: int = 1
     window: int | None = None
     num_programs: int | None = 4
     partition_size: int | None = 16
@@ -234,33 +232,14 @@ CASES = {
 }
 
 
-def _sizes(case: Case) -> dict:
-    """The step's sizes, as the step builder and plan_decode both take them."""
-    return dict(
-        num_q_heads=case.num_q_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim,
-        page_size=case.page_size,
-        query_len=case.query_len,
-        kv_dtype=case.kv_dtype,
-        kv_scale=case.kv_scale,
-    )
-
-
 def _plan(case: Case, seq_lens):
-    return pagedattn.plan_decode(
-        seq_lens,
-        **_sizes(case),
-        num_programs=case.num_programs,
-        partition_size=case.partition_size,
-    )
+    return case.plan(seq_lens, num_programs=case.num_programs, partition_size=case.partition_size)
 
 
 def run_case(case: Case, gen, scale_lens: int = 1):
     lens = [max(n * scale_lens, case.query_len) for n in case.lens]
-    cache, q = random_step(
+    cache, q = case.random_step(
         lens,
-        **_sizes(case),
         q_dtype=case.q_dtype,
         device=DEVICE,
         generator=gen,
@@ -319,7 +298,7 @@ def test_reduce_runs_leave_counts_at_zero(gen):
     so the same plan decodes again to the same bits (and matches the reference)."""
     case = CASES["reduce-runs-one-sequence"]
     lens = [n * (40 if ON_GPU else 1) for n in case.lens]
-    cache, q = random_step(lens, **_sizes(case), device=DEVICE, generator=gen, extra_pages=2)
+    cache, q = case.random_step(lens, device=DEVICE, generator=gen, extra_pages=2)
     plan = _plan(case, cache.seq_lens)
     assert max(n for *_, n in plan.reduce_items()) > 8  # more partials than a run holds
     counts = plan.metadata[plan.run_counts_offset :]
@@ -424,15 +403,8 @@ def test_zero_k_scale_weighs_every_attended_key_alike(query_len, gen):
 
 
 def test_plan_made_internally(gen):
-    cache, q = random_step(
-        [30, 5],
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=8,
-        device=DEVICE,
-        generator=gen,
-    )
+    shape = StepShape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    cache, q = shape.random_step([30, 5], device=DEVICE, generator=gen)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     out = pagedattn.paged_decode(*args)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -470,25 +442,22 @@ def test_repeated_runs_are_bitwise_identical(gen):
 # ---------------------------------------------------------------- GPU only
 
 
-SEED_SHAPE = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=1024)
+def seed_shape(query_len=1, *, kv_scale="per_tensor", kv_dtype=FP8) -> StepShape:
+    """The seed's shape (16/1 heads, head_dim 128, page 1024) with this query and KV."""
+    return dataclasses.replace(
+        SEED_SHAPE, query_len=query_len, kv_dtype=kv_dtype, kv_scale=kv_scale
+    )
 
 
 def seed_step(batch, context, query_len, gen, *, kv_scale="per_tensor", kv_dtype=FP8):
-    """The seed's shape (16/1 heads, head_dim 128, page 1024): a cache and a bf16 query."""
-    return random_step(
-        [context] * batch,
-        **SEED_SHAPE,
-        query_len=query_len,
-        device=DEVICE,
-        generator=gen,
-        kv_dtype=kv_dtype,
-        kv_scale=kv_scale,
-    )
+    """A ``seed_shape`` cache and bf16 query."""
+    shape = seed_shape(query_len, kv_scale=kv_scale, kv_dtype=kv_dtype)
+    return shape.random_step([context] * batch, device=DEVICE, generator=gen)
 
 
 def seed_plan(cache, *, kv_dtype=FP8, kv_scale="per_tensor"):
     """plan_decode for a query_len-1 ``seed_step`` cache, default grid and partition."""
-    return pagedattn.plan_decode(cache.seq_lens, **SEED_SHAPE, kv_dtype=kv_dtype, kv_scale=kv_scale)
+    return seed_shape(kv_scale=kv_scale, kv_dtype=kv_dtype).plan(cache.seq_lens)
 
 
 @requires_gpu
@@ -528,9 +497,11 @@ def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
     dependent launches (the default on GPUs that have them) and without (PAGEDATTN_PDL=0)."""
     monkeypatch.setattr(pagedattn.launch, "_PDL", pdl)
     batch, query_len, max_len = 8, 2, 5000
-    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, query_len=query_len)
-    shape.update(kv_dtype=FP8, kv_scale="per_token")
-    cache, q = random_step([max_len] * batch, **shape, device=DEVICE, generator=gen)
+    shape = StepShape(
+        num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, query_len=query_len,
+        kv_dtype=FP8, kv_scale="per_token",
+    )  # fmt: skip
+    cache, q = shape.random_step([max_len] * batch, device=DEVICE, generator=gen)
     seq_lens = cache.seq_lens.clone()
     out = torch.empty_like(q)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
@@ -538,7 +509,7 @@ def test_cuda_graph_replay_with_new_lengths(pdl, gen, monkeypatch):
     plans = []
 
     def step():
-        plan = pagedattn.plan_decode(seq_lens, **shape)
+        plan = shape.plan(seq_lens)
         plans.append(plan)
         pagedattn.paged_decode(
             q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens, plan=plan, out=out, **kw
@@ -593,13 +564,13 @@ def test_decode_with_plan_never_syncs(gen):
     cache, q = seed_step(4, 8192, 4, gen, kv_scale="per_token")
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, return_lse=True)
-    shape = dict(SEED_SHAPE, query_len=4, kv_dtype=FP8, kv_scale="per_token")
-    plan = pagedattn.plan_decode(cache.seq_lens, **shape)
+    shape = seed_shape(4, kv_scale="per_token")
+    plan = shape.plan(cache.seq_lens)
     pagedattn.paged_decode(*args, plan=plan, **kw)  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        plan = pagedattn.plan_decode(cache.seq_lens, **shape)
+        plan = shape.plan(cache.seq_lens)
         pagedattn.paged_decode(*args, plan=plan, **kw)
         pagedattn.paged_decode(*args, **kw)
     finally:

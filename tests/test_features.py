@@ -21,7 +21,7 @@ from pagedattn.cache import FP8_DTYPE
 from pagedattn.integrations import BatchDecodeWrapper, vllm_paged_decode
 from pagedattn.launch import ScheduleLaunchConfig
 from pagedattn.reference import invariant_chunks, rel_error, schedule_invariant_numpy
-from pagedattn.testing import fault_codes, random_step, reference_decode
+from pagedattn.testing import StepShape, fault_codes, reference_decode
 
 BF16, FP16 = torch.bfloat16, torch.float16
 SCALE = 40 if ON_GPU else 1  # lengths on a GPU
@@ -50,24 +50,14 @@ class Step:
     num_programs: int | None = 4
     window: int | None = None
 
-
-def _sizes(step: Step) -> dict:
-    """The step's sizes, as the step builder and plan_decode both take them."""
-    return dict(
-        num_q_heads=step.num_kv_heads * step.group,
-        num_kv_heads=step.num_kv_heads,
-        head_dim=64,
-        page_size=step.page_size,
-        query_len=step.query_len,
-        kv_dtype=step.kv_dtype,
-        kv_scale=step.kv_scale,
-    )
+    @property
+    def shape(self) -> StepShape:
+        return StepShape.of(self, num_q_heads=self.num_kv_heads * self.group, head_dim=64)
 
 
 def _inputs(step: Step, gen, q_rows=None, scale=SCALE):
-    return random_step(
+    return step.shape.random_step(
         [n * scale for n in step.lens],
-        **_sizes(step),
         q_rows=q_rows,
         q_dtype=step.q_dtype,
         device=DEVICE,
@@ -79,7 +69,7 @@ def _inputs(step: Step, gen, q_rows=None, scale=SCALE):
 
 def _plan(step: Step, seq_lens, **kw):
     kw.setdefault("partition_size", PARTITION)
-    return pagedattn.plan_decode(seq_lens, **_sizes(step), num_programs=step.num_programs, **kw)
+    return step.shape.plan(seq_lens, num_programs=step.num_programs, **kw)
 
 
 def _decode(step, cache, q, plan, out=None, **kw):
@@ -315,14 +305,13 @@ def test_invariant_plan_matches_numpy_twin():
         (list(range(0, 400, 10)), 2, 10, 16),
     ]
     for lens, kv_heads, programs, partition in cases:
+        shape = StepShape(
+            num_q_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=64, page_size=16
+        )
         for block in (16, 2048):
             seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-            plan = pagedattn.plan_decode(
+            plan = shape.plan(
                 seq_lens,
-                num_q_heads=2 * kv_heads,
-                num_kv_heads=kv_heads,
-                head_dim=64,
-                page_size=16,
                 num_programs=programs,
                 partition_size=partition,
                 batch_invariant=True,
@@ -469,16 +458,7 @@ def test_paged_decode_rejects_bad_feature_arguments(change, exc, pattern, gen):
     if kw.get("plan") == "ragged":
         kw["plan"] = _plan(step, cache.seq_lens, query_start_loc=_qsl([0, 1, 2]))
     with pytest.raises(exc, match=pattern):
-        pagedattn.paged_decode(
-            q,
-            cache.k_cache,
-            cache.v_cache,
-            cache.block_table,
-            cache.seq_lens,
-            k_scale=cache.k_scale,
-            v_scale=cache.v_scale,
-            **kw,
-        )
+        pagedattn.paged_decode(q, **cache.decode_args(), **kw)
 
 
 def test_plan_decode_rejects_bad_feature_arguments(gen):

@@ -7,6 +7,7 @@ the cubin's resource usage with the bundled cuobjdump. NHD and HND compile to th
 once. The GPU tests run ``gluon_paged_decode`` against the float64 reference.
 """
 
+import dataclasses
 import fcntl
 import importlib.util
 import json
@@ -25,7 +26,13 @@ import pagedattn
 from pagedattn._kernels import records
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.testing import HOPPER_BUILDS, fault_codes, random_step, reference_decode
+from pagedattn.testing import (
+    HOPPER_BUILDS,
+    StepShape,
+    fault_codes,
+    hopper_build_name,
+    reference_decode,
+)
 
 GLUON_MISSING = importlib.util.find_spec("triton.experimental.gluon") is None
 WRONG_TRITON = not triton.__version__.startswith("3.6.")
@@ -126,16 +133,7 @@ def builds(tmp_path_factory):
 
 @needs_gluon_build
 @pytest.mark.xdist_group("gluon_build")  # one worker builds the variants (a module fixture)
-@pytest.mark.parametrize(
-    "variant",
-    VARIANTS,
-    ids=lambda v: "g{group}-q{query_len}-p{page_size}-s{scale_mode}-lse{write_lse}{w}{t}{d}".format(
-        **{"query_len": 1, "page_size": 1024, "scale_mode": 1, "write_lse": False, **v},
-        w="-window" if v.get("window") else "",
-        t="-" + v["kv_dtype"] if "kv_dtype" in v else "",
-        d=f"-d{v['head_dim']}" if "head_dim" in v else "",
-    ),
-)
+@pytest.mark.parametrize("variant", VARIANTS, ids=hopper_build_name)
 def test_sm90a_build(builds, variant):
     r = builds[json.dumps(variant, sort_keys=True)]
     assert r["wgmma"], "expected warpgroup MMA (wgmma) in the PTX"
@@ -290,9 +288,8 @@ TOL = {"per_tensor": 3e-3, "per_token": 3e-3, "bf16": 6e-3, "fp16": 1e-3}
 
 
 def _shape(group=8, kv="per_tensor", head_dim=HEAD_DIM, page_size=PAGE_SIZE, query_len=1):
-    """A step's sizes, as the step builder and plan_decode both take them (``kv``: one of
-    ``KV_KINDS``)."""
-    return dict(
+    """A step's shape (``kv``: one of ``KV_KINDS``)."""
+    return StepShape(
         query_len=query_len,
         num_q_heads=NUM_KV_HEADS * group,
         num_kv_heads=NUM_KV_HEADS,
@@ -328,9 +325,8 @@ def _decode(
     outputs (``transposed``: the kernel's form, None its default); returns (out, lse,
     faults, q, cache, seq_lens)."""
     shape = _shape(group, kv, head_dim=head_dim, page_size=page_size, query_len=query_len)
-    cache, q = random_step(
+    cache, q = shape.random_step(
         [max(n, 0) for n in lens],
-        **shape,
         device=DEVICE,
         generator=gen,
         kv_layout=kv_layout,
@@ -341,9 +337,8 @@ def _decode(
     if edit is not None:
         seq_lens, plan_lens = edit(cache, seq_lens, plan_lens)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    plan = pagedattn.plan_decode(
+    plan = shape.plan(
         torch.tensor(plan_lens, dtype=torch.int32, device=DEVICE),
-        **shape,
         num_programs=num_programs,
         partition_size=partition_size,
     )
@@ -733,7 +728,7 @@ def test_outside_its_scope_it_says_so(gen):
 
 def _small_call(head_dim=HEAD_DIM, page_size=PAGE_SIZE, gen=None):
     shape = _shape(head_dim=head_dim, page_size=page_size)
-    cache, q = random_step([300, 1, 0, 700], **shape, device=DEVICE, generator=gen)
+    cache, q = shape.random_step([300, 1, 0, 700], device=DEVICE, generator=gen)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     return args, dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
 
@@ -831,16 +826,14 @@ def test_pdl_launches_early_only_where_the_grid_fills_every_sm(gen, kv, sm_share
 
     monkeypatch.setattr(hopper, "gluon_decode_kernel", Launches())
     shape = _shape(group=16, kv=kv)
-    cache, q = random_step(
-        [3000, 1, 0, 700], **shape, device=DEVICE, generator=gen, q_dtype=_q_dtype(kv)
+    cache, q = shape.random_step(
+        [3000, 1, 0, 700], device=DEVICE, generator=gen, q_dtype=_q_dtype(kv)
     )
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     with backend.using_backend("gluon"):  # its grid (two programs an SM) unless given
-        plan = pagedattn.plan_decode(
-            cache.seq_lens, **shape, num_programs=sm_share and sm_share * sms
-        )
+        plan = shape.plan(cache.seq_lens, num_programs=sm_share and sm_share * sms)
     assert plan.max_reduces > 0  # the 3000-token sequence is cut
     out = pagedattn.paged_decode(*args, plan=plan, backend="gluon", **kw)
     torch.cuda.synchronize()
@@ -858,7 +851,7 @@ def test_pdl_launches_early_only_where_the_grid_fills_every_sm(gen, kv, sm_share
 def test_bitwise_deterministic_over_20_runs(gen):
     args, kw = _small_call(gen=gen)
     # Few programs and short partitions: the long sequences are split and merged.
-    plan = pagedattn.plan_decode(args[4], **_shape(), num_programs=4, partition_size=128)
+    plan = _shape().plan(args[4], num_programs=4, partition_size=128)
     kw.update(plan=plan, backend="gluon", return_lse=True)
     first = pagedattn.paged_decode(*args, **kw)
     for _ in range(20):
@@ -871,16 +864,16 @@ def test_bitwise_deterministic_over_20_runs(gen):
 @pytest.mark.parametrize("kv", KV_KINDS)
 def test_cuda_graph_replay_with_new_lengths(gen, kv):
     shape = _shape(group=16, kv=kv)
-    cache, q = random_step(
-        [2000, 700, 1500], **shape, device=DEVICE, generator=gen, q_dtype=_q_dtype(kv)
+    cache, q = shape.random_step(
+        [2000, 700, 1500], device=DEVICE, generator=gen, q_dtype=_q_dtype(kv)
     )
     seq_lens = cache.seq_lens.clone()
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    plan = pagedattn.plan_decode(seq_lens, **shape)
+    plan = shape.plan(seq_lens)
     out = torch.empty_like(q)
 
     def step():
-        pagedattn.plan_decode(seq_lens, **shape, reuse=plan)
+        shape.plan(seq_lens, reuse=plan)
         pagedattn.paged_decode(
             q, cache.k_cache, cache.v_cache, cache.block_table, seq_lens,
             plan=plan, out=out, backend="gluon", **kw,
@@ -911,15 +904,13 @@ def _choice(monkeypatch, *, kv="per_tensor", preference=None, num_programs=None,
     from pagedattn import backend, checks
 
     monkeypatch.setattr(backend, "hopper_reason", lambda device: None)
-    shape = dict(_shape(kv=kv), **over)
-    cache, q = random_step(
-        [300, 1, 0, 700], **shape, device=DEVICE, generator=None, q_dtype=_q_dtype(kv)
+    shape = dataclasses.replace(_shape(kv=kv), **over)
+    cache, q = shape.random_step(
+        [300, 1, 0, 700], device=DEVICE, generator=None, q_dtype=_q_dtype(kv)
     )
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     with backend.using_backend(preference or "auto"):
-        plan = pagedattn.plan_decode(
-            cache.seq_lens, **shape, num_programs=num_programs, max_seq_len=700
-        )
+        plan = shape.plan(cache.seq_lens, num_programs=num_programs, max_seq_len=700)
         checked = checks.check_decode_args(
             q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens, plan=plan,
             sm_scale=None, kv_layout="NHD", sliding_window=None, out=None, **kw,

@@ -3,6 +3,7 @@ path (no checks, a prepared launch) with bitwise the same result, and every bad 
 gets the full path's clear error; the prepared launches pass each kernel parameter what the
 call stands for."""
 
+import dataclasses
 import inspect
 
 import pytest
@@ -12,18 +13,19 @@ from conftest import DEVICE
 import pagedattn
 from pagedattn import decode, launch
 from pagedattn import plan as planning
-from pagedattn.testing import random_step
+from pagedattn.testing import StepShape
 
 FP8 = torch.float8_e4m3fn
-SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, query_len=2)
-SCALES = dict(kv_dtype=FP8, kv_scale="per_token")
+SHAPE = StepShape(
+    num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, query_len=2, kv_dtype=FP8,
+    kv_scale="per_token",
+)  # fmt: skip
 
 
 def _step(lens=(37, 130, 5), seed=0, kv_layout="NHD"):
-    shape = dict(SHAPE, **SCALES)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    cache, q = random_step(list(lens), **shape, device=DEVICE, generator=gen, kv_layout=kv_layout)
-    return shape, cache, q
+    cache, q = SHAPE.random_step(list(lens), device=DEVICE, generator=gen, kv_layout=kv_layout)
+    return SHAPE, cache, q
 
 
 def _decode(shape, cache, q, plan, **kw):
@@ -35,15 +37,13 @@ def _decode(shape, cache, q, plan, **kw):
 
 def test_repeated_calls_take_the_prepared_step_with_the_same_bits():
     shape, cache, q = _step()
-    plan = pagedattn.plan_decode(cache.seq_lens, **shape, num_programs=4, partition_size=16)
+    plan = shape.plan(cache.seq_lens, num_programs=4, partition_size=16)
     first, first_lse = _decode(shape, cache, q, plan, return_lse=True)
     assert len(decode._DECODE_STEPS) == 1 and len(planning._PLAN_STEPS) == 1
     (step,) = decode._DECODE_STEPS.values()
     # New lengths and new tensors of the same signature: the same steps, new results.
     _, cache2, q2 = _step(lens=(100, 3, 64), seed=1)
-    plan2 = pagedattn.plan_decode(
-        cache2.seq_lens, **shape, num_programs=4, partition_size=16, reuse=plan
-    )
+    plan2 = shape.plan(cache2.seq_lens, num_programs=4, partition_size=16, reuse=plan)
     assert plan2 is plan and len(planning._PLAN_STEPS) == 2  # reuse= is its own signature
     out = torch.full_like(q2, float("nan"))
     _decode(shape, cache2, q2, plan, out=out)
@@ -52,11 +52,11 @@ def test_repeated_calls_take_the_prepared_step_with_the_same_bits():
     # The same call on the full path (nothing prepared) gives the same bits.
     decode._DECODE_STEPS.clear()
     planning._PLAN_STEPS.clear()
-    again = pagedattn.plan_decode(cache2.seq_lens, **shape, num_programs=4, partition_size=16)
+    again = shape.plan(cache2.seq_lens, num_programs=4, partition_size=16)
     full = _decode(shape, cache2, q2, again)
     assert torch.equal(full.view(torch.int16), out.view(torch.int16))
     # And the first step replayed on the fast path gives its first bits.
-    plan3 = pagedattn.plan_decode(cache.seq_lens, **shape, num_programs=4, partition_size=16)
+    plan3 = shape.plan(cache.seq_lens, num_programs=4, partition_size=16)
     replay, replay_lse = _decode(shape, cache, q, plan3, return_lse=True)
     replay, replay_lse = _decode(shape, cache, q, plan3, return_lse=True)
     assert step is not decode._DECODE_STEPS.get(next(iter(decode._DECODE_STEPS)))
@@ -68,7 +68,7 @@ def _bad_calls(shape, cache, q, plan):
     """(what, call) pairs: each call is bad in one way, and raises."""
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     kw = dict(plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale)
-    other = pagedattn.plan_decode(cache.seq_lens, **dict(shape, num_q_heads=8))
+    other = dataclasses.replace(shape, num_q_heads=8).plan(cache.seq_lens)
     yield "q dtype", lambda: pagedattn.paged_decode(q.float(), *args[1:], **kw)
     yield "q shape", lambda: pagedattn.paged_decode(q[:, :3], *args[1:], **kw)
     yield (
@@ -96,22 +96,22 @@ def _bad_calls(shape, cache, q, plan):
     yield "backend", lambda: pagedattn.paged_decode(*args, **kw, backend="cuda")
     yield (
         "plan reuse sizes",
-        lambda: pagedattn.plan_decode(cache.seq_lens, **dict(shape, num_q_heads=8), reuse=plan),
+        lambda: dataclasses.replace(shape, num_q_heads=8).plan(cache.seq_lens, reuse=plan),
     )
     yield (
         "plan heads float",
-        lambda: pagedattn.plan_decode(cache.seq_lens, **dict(shape, num_q_heads=4.0), reuse=plan),
+        lambda: dataclasses.replace(shape, num_q_heads=4.0).plan(cache.seq_lens, reuse=plan),
     )
     yield (
         "plan seq_lens dtype",
-        lambda: pagedattn.plan_decode(cache.seq_lens.long(), **shape, reuse=plan),
+        lambda: shape.plan(cache.seq_lens.long(), reuse=plan),
     )
 
 
 def test_bad_inputs_get_the_full_paths_error_after_a_prepared_call(monkeypatch):
     monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, *args: None)
     shape, cache, q = _step()
-    plan = pagedattn.plan_decode(cache.seq_lens, **shape)
+    plan = shape.plan(cache.seq_lens)
     fresh = {}
     for what, call in _bad_calls(shape, cache, q, plan):
         decode._DECODE_STEPS.clear()
@@ -121,7 +121,7 @@ def test_bad_inputs_get_the_full_paths_error_after_a_prepared_call(monkeypatch):
         fresh[what] = (type(error.value), str(error.value))
     # Now with every good signature prepared: the same errors.
     for _ in range(2):
-        pagedattn.plan_decode(cache.seq_lens, **shape, reuse=plan)
+        shape.plan(cache.seq_lens, reuse=plan)
         _decode(shape, cache, q, plan)
         _decode(shape, cache, q, plan, return_lse=True, exact_qk=True, sm_scale=0.1)
     for what, call in _bad_calls(shape, cache, q, plan):
@@ -156,7 +156,7 @@ def test_portable_step_passes_each_parameter_its_value(kv_layout, monkeypatch):
 
     launched = _record_launches(monkeypatch)
     shape, cache, q = _step(kv_layout=kv_layout)
-    plan = pagedattn.plan_decode(cache.seq_lens, **shape, num_programs=4, partition_size=16)
+    plan = shape.plan(cache.seq_lens, num_programs=4, partition_size=16)
     launched.clear()
     for _ in range(2):  # the full path, then the prepared step
         out, lse = _decode(shape, cache, q, plan, kv_layout=kv_layout, return_lse=True)
@@ -191,11 +191,10 @@ def test_hopper_step_passes_each_parameter_its_value(monkeypatch):
     from pagedattn.families import hopper
 
     launched = _record_launches(monkeypatch)
-    shape = dict(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=64, query_len=1)
-    shape.update(SCALES)
+    shape = dataclasses.replace(SHAPE, num_q_heads=16, head_dim=128, page_size=64, query_len=1)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    cache, q = random_step([300, 17, 0], **shape, device=DEVICE, generator=gen)
-    plan = pagedattn.plan_decode(cache.seq_lens, **shape, num_programs=4)
+    cache, q = shape.random_step([300, 17, 0], device=DEVICE, generator=gen)
+    plan = shape.plan(cache.seq_lens, num_programs=4)
     launched.clear()
     args5 = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     checked = checks.check_decode_args(
@@ -277,11 +276,11 @@ def test_tuning_tables_changed_since_are_read_again(tuning_tables, monkeypatch):
 
     monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, *args: None)
     shape, cache, _ = _step()
-    first = pagedattn.plan_decode(cache.seq_lens, **shape, max_seq_len=200)
-    pagedattn.plan_decode(cache.seq_lens, **shape, max_seq_len=200)
+    first = shape.plan(cache.seq_lens, max_seq_len=200)
+    shape.plan(cache.seq_lens, max_seq_len=200)
     assert len(planning._PLAN_STEPS) == 1
     tuning.clear_cache()
-    second = pagedattn.plan_decode(cache.seq_lens, **shape, max_seq_len=200)
+    second = shape.plan(cache.seq_lens, max_seq_len=200)
     assert len(planning._PLAN_STEPS) == 2
     assert second.num_programs == first.num_programs  # no table row: the same default
 

@@ -1,6 +1,8 @@
 """Engine-shaped entry points (``pagedattn.integrations``) against the float64 reference,
 through the interpreter on CPU."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -9,29 +11,21 @@ import pagedattn
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.integrations import BatchDecodeWrapper, vllm_paged_decode
 from pagedattn.reference import rel_error
-from pagedattn.testing import random_step, reference_decode
+from pagedattn.testing import StepShape, reference_decode
 
 pytestmark = pytest.mark.usefixtures("each_backend")  # each kernel family
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 64, 4
 LENS = [5, 0, 23]  # a padding slot in the middle (3 sequences, one query row each)
-# The step's sizes, as plan_decode and as the wrapper's plan() name them.
-PLAN_SIZES = dict(num_q_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE)
+# The step's shape, and its sizes as the wrapper's plan() names them.
+SHAPE = StepShape(num_q_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE)
 WRAPPER_SIZES = dict(num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE)
 
 
 def _step(gen, *, kv_dtype=torch.bfloat16, kv_scale=None, kv_layout="NHD"):
     """The cache of ``LENS`` and a bf16 query (one row a sequence)."""
-    return random_step(
-        LENS,
-        **PLAN_SIZES,
-        device=DEVICE,
-        generator=gen,
-        kv_dtype=kv_dtype,
-        kv_layout=kv_layout,
-        kv_scale=kv_scale,
-        extra_pages=1,
-    )
+    shape = dataclasses.replace(SHAPE, kv_dtype=kv_dtype, kv_scale=kv_scale)
+    return shape.random_step(LENS, device=DEVICE, generator=gen, kv_layout=kv_layout, extra_pages=1)
 
 
 def _csr(cache):
@@ -118,7 +112,7 @@ def test_vllm_bf16_two_dim_out_and_sliding_window(gen):
         k_scale=torch.tensor([3.0]),  # ignored with "auto", as in vLLM
         sliding_window=7,
         out=out,
-        plan=pagedattn.plan_decode(cache.seq_lens, **PLAN_SIZES, num_programs=2),
+        plan=SHAPE.plan(cache.seq_lens, num_programs=2),
     )
     assert got is out
     ref = reference_decode(q, cache, sliding_window=7)
@@ -129,9 +123,8 @@ def test_vllm_bf16_two_dim_out_and_sliding_window(gen):
 def test_vllm_fp8_uint8_per_token_scales(gen, kv_cache_dtype):
     cache, q = _step(gen, kv_dtype=FP8_DTYPE, kv_scale="per_token")
     # A plan made once for the step, as an engine's metadata builder would.
-    plan = pagedattn.plan_decode(
-        cache.seq_lens, **PLAN_SIZES, kv_dtype=FP8_DTYPE, kv_scale="per_token", num_programs=4
-    )
+    fp8_token = dataclasses.replace(SHAPE, kv_dtype=FP8_DTYPE, kv_scale="per_token")
+    plan = fp8_token.plan(cache.seq_lens, num_programs=4)
     out = vllm_paged_decode(
         q,
         cache.k_cache.view(torch.uint8),

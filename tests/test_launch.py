@@ -20,7 +20,7 @@ from pagedattn.launch import (
     schedule_locals,
     schedule_warps,
 )
-from pagedattn.testing import random_step
+from pagedattn.testing import StepShape
 
 FP8 = torch.float8_e4m3fn
 
@@ -89,11 +89,13 @@ def test_exact_qk_and_query_dtype_decide_the_fp8_key_path(exact_qk, q_dtype, mon
     monkeypatch.setattr(portable, "ReduceStep", lambda *args, **kwargs: lambda *a: None)
     monkeypatch.setattr(pagedattn.launch, "pdl_enabled", lambda device: False)
     # q_len 4 x 16 heads: 64 rows per kv head
-    shape = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=16, query_len=4)
-    fp8 = dict(kv_dtype=FP8, kv_scale="per_tensor")
+    shape = StepShape(
+        num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=16, query_len=4, kv_dtype=FP8,
+        kv_scale="per_tensor",
+    )  # fmt: skip
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    cache, q = random_step([40, 9], **shape, q_dtype=q_dtype, device=DEVICE, generator=gen, **fp8)
-    plan = pagedattn.plan_decode(cache.seq_lens, **shape, **fp8, num_programs=4)
+    cache, q = shape.random_step([40, 9], q_dtype=q_dtype, device=DEVICE, generator=gen)
+    plan = shape.plan(cache.seq_lens, num_programs=4)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
     pagedattn.paged_decode(
         *args, plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale, exact_qk=exact_qk

@@ -16,17 +16,19 @@ from pagedattn import ops
 from pagedattn import plan as planning
 from pagedattn.cache import FP8_DTYPE
 from pagedattn.reference import paged_decode_torch, rel_error
-from pagedattn.testing import random_step
+from pagedattn.testing import StepShape
 
-GEOMETRY = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
-GEOMETRY.update(kv_dtype=FP8_DTYPE, kv_scale="per_token")
-SIZES = dict(GEOMETRY, num_programs=4, partition_size=16)
+GEOMETRY = StepShape(
+    num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4, kv_dtype=FP8_DTYPE,
+    kv_scale="per_token",
+)  # fmt: skip
+SIZES = dict(GEOMETRY.plan_sizes(), num_programs=4, partition_size=16)
 LENS = [5, 37, 0]  # 37 tokens span partitions: split works and the reducer run
 
 
 def _step(gen, lens=LENS):
-    return random_step(
-        lens, **GEOMETRY, device=DEVICE, generator=gen, extra_pages=1, max_pages_per_seq=12
+    return GEOMETRY.random_step(
+        lens, device=DEVICE, generator=gen, extra_pages=1, max_pages_per_seq=12
     )
 
 

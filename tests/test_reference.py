@@ -17,21 +17,19 @@ import torch.nn.functional as F
 
 from pagedattn.cache import FP8_DTYPE, build_paged_cache
 from pagedattn.reference import dequantize_kv, paged_decode_torch, rel_error
+from pagedattn.testing import StepShape
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 RTOL = 1e-10  # both sides are float64; only summation order differs
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    seq_lens: tuple[int, ...]
-    query_len: int = 1
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case(StepShape):
+    seq_lens: tuple[int, ...] = dataclasses.field(kw_only=False)
     num_q_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
     page_size: int = 16
-    kv_dtype: torch.dtype = BF16
-    kv_scale: str | None = None
     kv_layout: str = "NHD"
     kv_combined: bool = False
     sliding_window: int | None = None
@@ -107,12 +105,8 @@ def _make_inputs(case: Case, seed: int):
     generator = torch.Generator().manual_seed(seed)
     cache = build_paged_cache(
         case.seq_lens,
-        num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim,
-        page_size=case.page_size,
-        kv_dtype=case.kv_dtype,
+        **case.cache_sizes(),
         kv_layout=case.kv_layout,
-        kv_scale=case.kv_scale,
         generator=generator,
         extra_pages=case.extra_pages,
         kv_combined=case.kv_combined,

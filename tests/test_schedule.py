@@ -6,6 +6,7 @@ import torch
 from conftest import DEVICE, ON_GPU, requires_gpu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_tuning_table import make_row
 
 import pagedattn
 from pagedattn.launch import (
@@ -16,18 +17,22 @@ from pagedattn.launch import (
 )
 from pagedattn.plan import plan_sizes
 from pagedattn.reference import auto_partition_size, schedule_numpy, valid_lens
+from pagedattn.testing import StepShape
 
 
 def plan_kwargs(
     *, num_kv_heads, group, num_programs, partition_size, query_len=1, schedule=None
 ) -> dict:
-    """plan_decode's sizes for these tests' steps (head_dim 64, page 16)."""
-    return dict(
+    """plan_decode's arguments for these tests' steps (head_dim 64, page 16)."""
+    shape = StepShape(
         num_q_heads=num_kv_heads * group,
         num_kv_heads=num_kv_heads,
         head_dim=64,
         page_size=16,
         query_len=query_len,
+    )
+    return dict(
+        shape.plan_sizes(),
         num_programs=num_programs,
         partition_size=partition_size,
         schedule_config=schedule,
@@ -264,15 +269,15 @@ def test_default_program_count_is_a_multiple_of_kv_heads():
     assert plan.num_programs % 3 == 0 and plan.num_programs >= 3
     assert plan.partition_size == 16
     one = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    sizes = dict(num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16)
-    default = pagedattn.plan_decode(one, **sizes)
+    shape = StepShape(num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16)
+    default = shape.plan(one)
     # Without a hint the scheduler picks it from the lengths: 1 partition for >= 4 programs.
     assert default.partition_size is None and default.step_partition_size() == 128
     if ON_GPU:
         sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
         assert default.num_programs == sms * default_grid_multiplier(2) == sms * 4
     # A max_seq_len hint showing idle programs at 256 tokens picks smaller partitions.
-    hinted = pagedattn.plan_decode(one, **sizes, max_seq_len=1024)
+    hinted = shape.plan(one, max_seq_len=1024)
     assert hinted.partition_size == default_partition(
         batch=1, max_seq_len=1024, programs_per_head=hinted.num_programs
     )
@@ -288,12 +293,12 @@ def test_empty_batch_plans_no_work():
 @requires_gpu
 def test_plan_decode_never_syncs():
     seq_lens = torch.randint(1, 40000, (256,), dtype=torch.int32, device=DEVICE)
-    kwargs = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=1024)
-    pagedattn.plan_decode(seq_lens, **kwargs)  # compile outside the check
+    shape = StepShape(num_q_heads=16, num_kv_heads=1, head_dim=128, page_size=1024)
+    shape.plan(seq_lens)  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        pagedattn.plan_decode(seq_lens, **kwargs)
+        shape.plan(seq_lens)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -399,46 +404,35 @@ def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, mo
     table = tmp_path / "user.csv"
     monkeypatch.setenv("PAGEDATTN_TUNING_TABLE", str(table))
     tuning.clear_cache()
-    row = dict(
+    # A row for this step's shape on this device, of this library version.
+    shape = StepShape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    row = make_row(
         device_name=device_name(device),
         sm_count=sm_count(device),
-        query_len=1,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=16,
-        kv_dtype="bf16",
-        kv_scale="none",
+        **shape.plan_sizes(),
         batch_bucket=4,
         context_bucket=1024,
         grid_multiplier=3,
         partition_size=64,
-        tuned_us=10.0,
-        default_us=12.0,
         pagedattn_version=pagedattn.__version__,
-        triton_version="3.6.0",
-        date="2026-11-30",
     )
     tuning.upsert(table, [row])
     seq_lens = torch.tensor([100, 900, 5], dtype=torch.int32, device=DEVICE)
-    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
     try:
-        tuned = pagedattn.plan_decode(seq_lens, max_seq_len=900, **kw)
+        tuned = shape.plan(seq_lens, max_seq_len=900)
         assert tuned.num_programs == 3 * sm_count(device) + (3 * sm_count(device)) % 2
         assert tuned.partition_size == 64
         # Nearest bucket: context 4000 -> bucket 4096, two steps from 1024; still this row.
-        assert pagedattn.plan_decode(seq_lens, max_seq_len=4000, **kw).num_programs == (
-            tuned.num_programs
-        )
-        explicit = pagedattn.plan_decode(seq_lens, max_seq_len=900, num_programs=2, **kw)
+        assert shape.plan(seq_lens, max_seq_len=4000).num_programs == tuned.num_programs
+        explicit = shape.plan(seq_lens, max_seq_len=900, num_programs=2)
         assert explicit.num_programs == 2 and explicit.partition_size == 256  # no lookup
-        default = pagedattn.plan_decode(seq_lens, **kw)
+        default = shape.plan(seq_lens)
         assert default.num_programs == default_num_programs(device, 2, default_grid_multiplier(2))
         assert default.partition_size is None  # no hint, no lookup: picked on the GPU
         check_matches_numpy(tuned, [100, 900, 5], 64)
         # A row naming a partition below the kernel's minimum keeps the default partition.
         tuning.upsert(table, [{**row, "batch_bucket": 64, "partition_size": 8}])
-        small = pagedattn.plan_decode(seq_lens[:1].repeat(64), max_seq_len=900, **kw)
+        small = shape.plan(seq_lens[:1].repeat(64), max_seq_len=900)
         assert small.num_programs == tuned.num_programs and small.partition_size == 256
     finally:
         tuning.clear_cache()
@@ -446,11 +440,11 @@ def test_grid_comes_from_the_tuning_table_when_max_seq_len_is_given(tmp_path, mo
 
 def test_max_seq_len_must_be_a_positive_int():
     seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16)
+    shape = StepShape(num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16)
     with pytest.raises(ValueError, match=r"max_seq_len: expected an int >= 1, got 0"):
-        pagedattn.plan_decode(seq_lens, max_seq_len=0, **kw)
+        shape.plan(seq_lens, max_seq_len=0)
     with pytest.raises(TypeError, match=r"max_seq_len: expected an int, got float"):
-        pagedattn.plan_decode(seq_lens, max_seq_len=5.0, **kw)
+        shape.plan(seq_lens, max_seq_len=5.0)
 
 
 def test_repeated_plans_reuse_the_prepared_launch(monkeypatch):

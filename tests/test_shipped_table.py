@@ -1,9 +1,11 @@
 """The tuned table shipped for the H200 parses, is current, and covers the seed grid."""
 
+import dataclasses
 import itertools
 
 import pagedattn
 from pagedattn import tuning
+from pagedattn.bench.cases import SEED_SHAPE
 
 SEED_GRID = set(
     itertools.product(
@@ -37,13 +39,7 @@ def test_h200_lookup_uses_the_shipped_row(monkeypatch, tmp_path):
         key = tuning.TuningKey.from_batch(
             device_name="NVIDIA H200",
             sm_count=132,
-            query_len=4,
-            num_q_heads=16,
-            num_kv_heads=1,
-            head_dim=128,
-            page_size=1024,
-            kv_dtype="fp8_e4m3",
-            kv_scale="per_token",
+            **dataclasses.replace(SEED_SHAPE, query_len=4, kv_scale="per_token").plan_sizes(),
             batch_size=64,
             max_seq_len=1000,
         )

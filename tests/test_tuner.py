@@ -3,6 +3,7 @@
 Only ``test_tunes_one_shape_on_gpu`` times real kernels (skipped on CPU).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 import pagedattn
 from pagedattn.bench import providers, timing
-from pagedattn.bench.cases import Case, kv_bytes
+from pagedattn.bench.cases import SEED_SHAPE, Case, kv_bytes
 from pagedattn.launch import default_grid_multiplier
 from pagedattn.tuning import table as tuning_table
 from pagedattn.tuning import tuner
@@ -158,13 +159,7 @@ def test_rows_read_back_and_look_up(tables):
     key = TuningKey.from_batch(
         device_name=DEVICE,
         sm_count=SMS,
-        query_len=4,
-        num_q_heads=16,
-        num_kv_heads=1,
-        head_dim=128,
-        page_size=1024,
-        kv_dtype=torch.float8_e4m3fn,
-        kv_scale="per_token",
+        **dataclasses.replace(SEED_SHAPE, query_len=4, kv_scale="per_token").plan_sizes(),
         batch_size=97,
         max_seq_len=6000,
     )

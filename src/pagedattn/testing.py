@@ -79,6 +79,51 @@ class AppendCase:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """A decode step's sizes and KV format, as ``plan_decode`` takes them: the one description
+    of a step's shape that tests, scripts and benchmarks build their steps and plans from.
+    A test's own case type may extend it (its fields stay keyword-only)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    query_len: int = 1
+    kv_dtype: torch.dtype = torch.bfloat16
+    kv_scale: str | None = None  # None (16-bit caches), "per_tensor" or "per_token"
+
+    @staticmethod
+    def of(source, **changes) -> StepShape:
+        """The shape of ``source``, any object that names these fields (a test's case, a
+        benchmark's), with ``changes`` (for fields it names otherwise, or not at all)."""
+        names = [f.name for f in dataclasses.fields(StepShape) if f.name not in changes]
+        return StepShape(**{name: getattr(source, name) for name in names}, **changes)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    def plan_sizes(self) -> dict:
+        """``plan_decode``'s size arguments (:func:`random_step` takes the same)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(StepShape)}
+
+    def cache_sizes(self) -> dict:
+        """``build_paged_cache``'s size arguments."""
+        sizes = self.plan_sizes()
+        del sizes["num_q_heads"], sizes["query_len"]
+        return sizes
+
+    def random_step(self, lens, **options) -> tuple[PagedCache, torch.Tensor]:
+        """:func:`random_step` of this shape (``options``: its other arguments)."""
+        return random_step(lens, **self.plan_sizes(), **options)
+
+    def plan(self, seq_lens: torch.Tensor, **options):
+        """``plan_decode`` for a step of this shape (``options``: its other arguments)."""
+        return plan_decode(seq_lens, **self.plan_sizes(), **options)
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     query_len: int
@@ -93,6 +138,10 @@ class Geometry:
     window: bool
     num_programs: int | None
     partition_size: int | None
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape.of(self, num_q_heads=self.num_kv_heads * self.group)
 
 
 @dataclasses.dataclass
@@ -265,22 +314,9 @@ def fault_codes(plan) -> dict[int, int]:
     return faults
 
 
-def _sizes(g: Geometry) -> dict:
-    """The geometry's sizes, as :func:`random_step` and ``plan_decode`` both take them."""
-    return dict(
-        num_q_heads=g.num_kv_heads * g.group,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        page_size=g.page_size,
-        query_len=g.query_len,
-        kv_dtype=g.kv_dtype,
-        kv_scale=g.kv_scale,
-    )
-
-
 def plan_options(g: Geometry) -> dict:
     """``plan_decode``'s keyword arguments for a step of this geometry."""
-    return dict(_sizes(g), num_programs=g.num_programs, partition_size=g.partition_size)
+    return dict(g.shape.plan_sizes(), num_programs=g.num_programs, partition_size=g.partition_size)
 
 
 def make_case(
@@ -296,9 +332,8 @@ def make_case(
     slots' rows and unused table columns point at one), a random query, and the step's cache
     write (its choices drawn from ``seed``, so the caller's random stream is untouched)."""
     g = geometry
-    cache, q = random_step(
+    cache, q = g.shape.random_step(
         lens,
-        **_sizes(g),
         q_dtype=g.q_dtype,
         device=device,
         generator=torch.Generator(device=device).manual_seed(seed),
@@ -478,6 +513,18 @@ def expected_faults(case: Case) -> dict[int, int]:
     return faults
 
 
+def _decode_options(case: Case) -> dict:
+    """The keyword arguments of a decode of ``case`` (with its LSE), for ``paged_decode`` and
+    its float64 twin alike."""
+    return dict(
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+        kv_layout=case.geometry.kv_layout,
+        sliding_window=case.sliding_window,
+        return_lse=True,
+    )
+
+
 def run_case(case: Case, block_table: torch.Tensor | None = None):
     """Plans (from ``plan_lens``) and decodes into a poisoned ``out``; returns
     ``(out, lse, faults)`` with the faults as ``{seq: code}``."""
@@ -494,12 +541,8 @@ def run_case(case: Case, block_table: torch.Tensor | None = None):
         case.block_table if block_table is None else block_table,
         torch.tensor(case.lens, dtype=torch.int32, device=device),
         plan=plan,
-        k_scale=case.k_scale,
-        v_scale=case.v_scale,
-        kv_layout=g.kv_layout,
-        sliding_window=case.sliding_window,
         out=out,
-        return_lse=True,
+        **_decode_options(case),
     )
     return out, lse, fault_codes(plan)
 
@@ -545,11 +588,7 @@ def check_decode(case: Case) -> None:
         case.v_cache,
         case.block_table,
         torch.tensor(clean_lens, dtype=torch.int32, device=out.device),
-        k_scale=case.k_scale,
-        v_scale=case.v_scale,
-        kv_layout=g.kv_layout,
-        sliding_window=case.sliding_window,
-        return_lse=True,
+        **_decode_options(case),
     )
     err = rel_error(out[rows], ref[rows])
     assert err < TOLERANCE[g.q_dtype], f"rel error {err:.2e} of the valid rows ({where})"
@@ -741,7 +780,7 @@ def check_append(case: Case) -> None:
 # ``families.hopper.compile_sm90a``'s keyword arguments for builds that between them cover each
 # form of the Hopper kernel (transposed and rows MMAs, FP8 per tensor and per token, 16-bit
 # caches, gathered tiles of short pages, head_dim 64/128/256, windows, the LSE output): the
-# builds the CPU build tests compile, and the first of ``scripts/kernel_digest.py``'s digests.
+# builds the CPU build tests compile, and the first of :data:`HOPPER_VARIANTS`.
 HOPPER_BUILDS = (
     [
         dict(group=g, scale_mode=m, write_lse=lse)
@@ -793,6 +832,62 @@ HOPPER_BUILDS = (
         )
     ]
     + [dict(group=8, page_size=16, window=True, write_lse=True, head_dim=256)]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperVariant:
+    """A build of the Hopper kernel: ``compile_sm90a``'s keyword arguments (``build``, as
+    sorted (name, value) pairs) and whether it is launched with programmatic dependent launch
+    (``pdl``: a launch option only; the kernel always waits for the grid before it)."""
+
+    name: str
+    build: tuple
+    pdl: bool = False
+
+
+def hopper_build_name(build: dict, pdl: bool = False) -> str:
+    """A Hopper build's name, from what it builds: KV (and scales), the form of the MMAs
+    (``t`` for transposed, ``rows``), rows, page size, head_dim, then whatever else differs
+    from ``compile_sm90a``'s defaults."""
+    kv = build.get("kv_dtype", "float8_e4m3fn")
+    scale = {0: "", 1: "-tensor", 2: "-token"}[build.get("scale_mode", 1)]
+    group, query_len = build["group"], build.get("query_len", 1)
+    transposed = build.get("transposed")
+    if transposed is None:
+        transposed = group * query_len <= 16  # the default form (default_transposed)
+    name = (
+        f"gluon-{'fp8' if kv == 'float8_e4m3fn' else kv}{scale}-{'t' if transposed else 'rows'}"
+        f"-g{group}-q{query_len}-p{build.get('page_size', 1024)}-d{build.get('head_dim', 128)}"
+    )
+    flags = [("lse", "write_lse"), ("window", "window"), ("trace", "trace")]
+    name += "".join(f"-{label}" for label, key in flags if build.get(key))
+    for key, label in (("stages", "stages"), ("half", "half"), ("convert_regs", "conv")):
+        if key in build:
+            name += f"-{label}{build[key]}"
+    if "transposed" in build:
+        name += "-forced"
+    return name + ("-pdl" if pdl else "")
+
+
+def hopper_variant(pdl: bool = False, **build) -> HopperVariant:
+    """The variant that builds ``compile_sm90a(**build)``, launched with PDL or not."""
+    return HopperVariant(hopper_build_name(build, pdl), tuple(sorted(build.items())), pdl)
+
+
+# Every Hopper build whose PTX ``scripts/kernel_digest.py --family hopper`` digests: the CPU
+# build tests' builds, then launch settings and tunings those tests do not build: trace
+# stamps, PDL, the converter warps' tunings, three stages, the rows form forced on few rows.
+HOPPER_VARIANTS = (
+    *(hopper_variant(**build) for build in HOPPER_BUILDS),
+    hopper_variant(group=8, trace=True),
+    hopper_variant(group=16, query_len=4, page_size=16, scale_mode=2, trace=True),
+    hopper_variant(group=8, pdl=True),
+    hopper_variant(group=16, query_len=4, scale_mode=2, write_lse=True, pdl=True),
+    hopper_variant(group=16, query_len=4, half=32),
+    hopper_variant(group=16, query_len=4, half=32, convert_regs=48),
+    hopper_variant(group=8, stages=3),
+    hopper_variant(group=4, query_len=2, transposed=False),
 )
 
 

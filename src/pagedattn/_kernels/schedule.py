@@ -97,6 +97,16 @@ def _valid_lens(raw, query_len, max_len):
 
 
 @triton.jit
+def _min_len(query_len, RAGGED: tl.constexpr):
+    # The shortest valid length. Ragged rows: a length need only cover its sequence's rows,
+    # which the decode kernel checks (the faults are recorded here).
+    if RAGGED:
+        return 0
+    else:
+        return query_len
+
+
+@triton.jit
 def _at_least_one(parts, in_batch):
     # Every sequence of the batch has a partition (a padding slot's or an invalid sequence's
     # is empty); the lanes past the batch have none.
@@ -131,24 +141,14 @@ def _query_rows(query_start_loc_ptr, seq, in_batch, carry, query_len):
 
 
 @triton.jit
-def _record_lengths(
-    planned_ptr,
-    faults_ptr,
-    rows_ptr,
-    seq,
-    raw,
-    in_batch,
-    mine,
-    query_len,
-    max_len,
-    query_start_loc_ptr,
-    row_carry,
-    RAGGED: tl.constexpr,
-):
+def _record_lengths(records, seq, raw, in_batch, mine, row_carry, RAGGED: tl.constexpr):
     """Stores the lengths the plan is made from and their fault codes, for the sequences
     ``mine`` of a chunk (clearing the codes an earlier step left). With ``RAGGED`` also each
     sequence's query rows (``_query_rows``, over every sequence ``in_batch``; ``row_carry``
-    is its running maximum, returned updated), or ``ROWS_INVALID`` and a fault."""
+    is its running maximum, returned updated), or ``ROWS_INVALID`` and a fault. ``records``:
+    where they go (``planned_ptr, faults_ptr, rows_ptr``), then ``query_start_loc_ptr,
+    query_len, max_len``."""
+    planned_ptr, faults_ptr, rows_ptr, query_start_loc_ptr, query_len, max_len = records
     fault = tl.where(raw < 0, FAULT_NEGATIVE_LENGTH, 0)
     fault |= tl.where(raw > max_len, FAULT_LENGTH_LIMIT, 0)
     if RAGGED:
@@ -223,6 +223,13 @@ def _program_of(x, base, rem, exact):
 
 
 @triton.jit
+def _ranges(total, PROGRAMS_PER_HEAD: tl.constexpr):
+    """The cut of ``total`` partitions into ``PROGRAMS_PER_HEAD`` ranges (``start(i) = i * base
+    + min(i, rem)``), and whether _div_small's estimate is exact for them."""
+    return total // PROGRAMS_PER_HEAD, total % PROGRAMS_PER_HEAD, total < EXACT_ESTIMATE_LIMIT
+
+
+@triton.jit
 def _start_of(i, base, rem):
     # First partition of program i of a head: start(i) = i * base + min(i, rem).
     return i * base + tl.minimum(i, rem)
@@ -264,13 +271,12 @@ def _counts(parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS: 
     sequences that begin before ``p`` + the same interior boundaries; and likewise for the
     totals (the caller adds them up).
 
-    Returns, per program ``l`` (``[LOCALS]`` vectors; pairs packed by ``_pair``): among the
-    sequences that begin before its ``p``, the (non-empty, cut) ones and those beginning at a
-    boundary, paired with the sequences ending at or before ``p`` (its first sequence's
-    index); all that begin before ``p``; where its first sequence begins (the largest
-    ``cum_incl <= p``: a maximum, not a sum, over chunks). Then, over the chunk: the
-    sequences that begin before the last program's end paired with the non-empty ones, and
-    the (cut, boundary-beginning) ones."""
+    Returns, per program ``l`` (``[LOCALS]`` vectors), among the sequences that begin before
+    its ``p``: the non-empty ones, the cut ones, those beginning at a boundary; the sequences
+    ending at or before ``p`` (its first sequence's index); all that begin before ``p``;
+    where its first sequence begins (the largest ``cum_incl <= p``: a maximum, not a sum,
+    over chunks). Then, over the chunk: the sequences that begin before the last program's
+    end, the non-empty ones, the cut ones and those beginning at a boundary."""
     nonempty = parts > 0
     at_start = nonempty & (cum_excl > 0) & (offset == 0)
     cut = nonempty & (parts > size - offset)  # runs past the end of its first program
@@ -294,7 +300,47 @@ def _counts(parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS: 
     p_end = _start_of(local0 + LOCALS, base, rem)
     end_nonempty = tl.sum(_pair(cum_excl < p_end, nonempty), axis=0)
     cut_at_start = tl.sum(_pair(cut, at_start), axis=0)
-    return nonempty_cut, at_start_done, begins_before, parts_before, end_nonempty, cut_at_start
+    nonempty_before, cut_before = _split(nonempty_cut)
+    at_start_before, first_seq = _split(at_start_done)
+    end_seq, total_nonempty = _split(end_nonempty)
+    total_cut, total_at_start = _split(cut_at_start)
+    return (
+        nonempty_before,
+        cut_before,
+        at_start_before,
+        first_seq,
+        begins_before,
+        parts_before,
+        end_seq,
+        total_nonempty,
+        total_cut,
+        total_at_start,
+    )
+
+
+@triton.jit
+def _no_counts(zero, LOCALS: tl.constexpr):
+    """_counts' results over no sequence."""
+    none = tl.zeros([LOCALS], dtype=tl.int32)
+    return none, none, none, none, none, none, zero, zero, zero, zero
+
+
+@triton.jit
+def _add_counts(counts, more):
+    """_counts' results over the chunks of ``counts`` and of ``more``: sums, but for where
+    each program's first sequence begins (the sixth, ``parts_before``): the larger."""
+    return (
+        counts[0] + more[0],
+        counts[1] + more[1],
+        counts[2] + more[2],
+        counts[3] + more[3],
+        counts[4] + more[4],
+        tl.maximum(counts[5], more[5]),
+        counts[6] + more[6],
+        counts[7] + more[7],
+        counts[8] + more[8],
+        counts[9] + more[9],
+    )
 
 
 @triton.jit
@@ -328,31 +374,50 @@ def _store_work(rec, program, seq, kv_head, tok_start, tok_end, slot, mask, GROU
 
 
 @triton.jit
+def _store_reduce(red, seq, kv_head, first_slot, first, last, mask):
+    """One reduce record (records.py's fields) per lane of ``red`` where ``mask``: the
+    partials of pieces ``first .. last`` of a sequence, in slots from ``first_slot`` on."""
+    tl.store(red + REDUCE_SEQ, seq, mask=mask)
+    tl.store(red + REDUCE_KV_HEAD, tl.zeros_like(seq) + kv_head, mask=mask)
+    tl.store(red + REDUCE_FIRST_SLOT, first_slot, mask=mask)
+    tl.store(red + REDUCE_NUM_SLOTS, last - first + 1, mask=mask)
+
+
+@triton.jit
+def _clear_unused_reduces(
+    reduces_ptr, used, max_reduces, program, PROGRAMS: tl.constexpr, BLOCK_B: tl.constexpr
+):
+    """Marks the reduce records past the ``used`` ones unused (``REDUCE_SEQ == -1``: the
+    reducer skips them), ``BLOCK_B`` at a time, shared among ``PROGRAMS`` programs."""
+    for r0 in range(program * BLOCK_B, max_reduces, PROGRAMS * BLOCK_B):
+        r = r0 + tl.arange(0, BLOCK_B)
+        unused = (r >= used) & (r < max_reduces)
+        for f in tl.static_range(REDUCE_FIELDS):
+            tl.store(
+                reduces_ptr + r.to(tl.int64) * REDUCE_FIELDS + f,
+                tl.full([BLOCK_B], -1, tl.int32),
+                mask=unused,
+            )
+
+
+@triton.jit
 def _write_works(
     works_ptr,
     reduces_ptr,
-    seq,
-    lens,
-    parts,
-    cum_incl,
-    cum_excl,
-    first,
-    last,
-    pid,
-    kv_head,
-    local,
-    p_start,
-    p_end,
-    work_base,
-    slot_base,
-    reduce_index,
+    chunk,  # (seq, lens, parts, cum_incl, cum_excl, first, last) of a chunk of sequences
+    program,  # (pid, kv_head, local, p_start, p_end, work_base, slot_base, reduce_index)
     mine_carry,
     cut_carry,
     GROUP: tl.constexpr,
     shift,  # log2 of the partition size
 ):
-    """Writes this program's works among a chunk of sequences (and the reduce record of a cut
-    sequence it starts); returns the running counts of its works and cut works."""
+    """Writes a program's works among a chunk of sequences (and the reduce record of a cut
+    sequence it starts); returns the running counts of its works and cut works. ``chunk``:
+    each sequence's index, valid length, partitions, where they end and begin, the programs
+    of its first and last partition; ``program``: the program's index, kv head, index within
+    the head, range of partitions and where its works, slots and reduce records start."""
+    seq, lens, parts, cum_incl, cum_excl, first, last = chunk
+    pid, kv_head, local, p_start, p_end, work_base, slot_base, reduce_index = program
     mine = (parts > 0) & (first <= local) & (last >= local)
     cut = mine & (last > first)
     mine_scan, cut_scan = _split(tl.cumsum(_pair(mine, cut), axis=0))
@@ -367,10 +432,7 @@ def _write_works(
     # The program holding a cut sequence's first piece writes its reduce record.
     starts_cut = cut & (first == local)
     red = reduces_ptr + reduce_index.to(tl.int64) * REDUCE_FIELDS + zero
-    tl.store(red + REDUCE_SEQ, seq, mask=starts_cut)
-    tl.store(red + REDUCE_KV_HEAD, zero + kv_head, mask=starts_cut)
-    tl.store(red + REDUCE_FIRST_SLOT, slot, mask=starts_cut)
-    tl.store(red + REDUCE_NUM_SLOTS, last - first + 1, mask=starts_cut)
+    _store_reduce(red, seq, kv_head, slot, first, last, starts_cut)
     mine_total, cut_total = _split(tl.sum(_pair(mine, cut), axis=0))
     return mine_carry + mine_total, cut_carry + cut_total
 
@@ -402,12 +464,8 @@ def _schedule_kernel(
     work_indptr_ptr, works_ptr, reduces_ptr, planned_ptr, faults_ptr, rows_ptr = _metadata(
         metadata_ptr, batch, max_works, max_reduces, NUM_PROGRAMS
     )
-    # Ragged rows: a length need only cover its sequence's rows, which the decode kernel
-    # checks (the faults are recorded here).
-    if RAGGED:
-        min_len = 0
-    else:
-        min_len = query_len
+    records = (planned_ptr, faults_ptr, rows_ptr, query_start_loc_ptr, query_len, max_len)
+    min_len = _min_len(query_len, RAGGED)
     first_pid = tl.program_id(0) * LOCALS
     kv_head = first_pid // PROGRAMS_PER_HEAD
     local0 = first_pid % PROGRAMS_PER_HEAD
@@ -422,20 +480,7 @@ def _schedule_kernel(
         # Each scheduler program records its slice of the lengths (no program does more).
         SLICE: tl.constexpr = (BLOCK_B + NUM_PROGRAMS // LOCALS - 1) // (NUM_PROGRAMS // LOCALS)
         mine = in_batch & (offs // SLICE == tl.program_id(0))
-        _record_lengths(
-            planned_ptr,
-            faults_ptr,
-            rows_ptr,
-            offs,
-            raw,
-            in_batch,
-            mine,
-            query_len,
-            max_len,
-            query_start_loc_ptr,
-            zero + INT32_MIN,
-            RAGGED,
-        )
+        _record_lengths(records, offs, raw, in_batch, mine, zero + INT32_MIN, RAGGED)
         lens = _valid_lens(raw, min_len, max_len)
         if PARTITION_SHIFT == 0:
             shift = _auto_shift(
@@ -447,19 +492,11 @@ def _schedule_kernel(
         else:
             shift = zero + PARTITION_SHIFT
         total = tl.sum(_parts(lens, in_batch, shift), axis=0)
-        base = total // PROGRAMS_PER_HEAD
-        rem = total % PROGRAMS_PER_HEAD
-        exact = total < EXACT_ESTIMATE_LIMIT
+        base, rem, exact = _ranges(total, PROGRAMS_PER_HEAD)
         parts, cum_incl, cum_excl, first, offset, size = _layout(
             lens, in_batch, zero, base, rem, shift, exact
         )
-        nc, ad, begins_before, parts_before, en, ca = _counts(
-            parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS
-        )
-        nonempty_before, cut_before = _split(nc)
-        at_start_before, first_seq = _split(ad)
-        last_end_seq, total_nonempty = _split(en)
-        total_cut, total_at_start = _split(ca)
+        counts = _counts(parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS)
     else:
         # -- pass 1: total partitions of one head --
         total = zero
@@ -473,35 +510,12 @@ def _schedule_kernel(
             owner = tl.program_id(0) == (b0 // BLOCK_B) % grid_size
             if RAGGED:
                 # Every program follows the rows' running maximum; the owner stores.
+                mine = in_batch & owner
                 row_carry = _record_lengths(
-                    planned_ptr,
-                    faults_ptr,
-                    rows_ptr,
-                    b0 + offs,
-                    raw,
-                    in_batch,
-                    in_batch & owner,
-                    query_len,
-                    max_len,
-                    query_start_loc_ptr,
-                    row_carry,
-                    RAGGED,
+                    records, b0 + offs, raw, in_batch, mine, row_carry, RAGGED
                 )
             elif owner:
-                _record_lengths(
-                    planned_ptr,
-                    faults_ptr,
-                    rows_ptr,
-                    b0 + offs,
-                    raw,
-                    in_batch,
-                    in_batch,
-                    query_len,
-                    max_len,
-                    query_start_loc_ptr,
-                    row_carry,
-                    RAGGED,
-                )
+                _record_lengths(records, b0 + offs, raw, in_batch, in_batch, row_carry, RAGGED)
             lens = _valid_lens(raw, min_len, max_len)
             if PARTITION_SHIFT == 0:
                 total += tl.sum(_at_least_one(tl.cdiv(lens, AUTO_SMALL), in_batch), axis=0)
@@ -516,20 +530,9 @@ def _schedule_kernel(
             total = tl.where(shift > AUTO_LARGE_SHIFT, zero + batch, total)
         else:
             shift = zero + PARTITION_SHIFT
-        base = total // PROGRAMS_PER_HEAD
-        rem = total % PROGRAMS_PER_HEAD
-        exact = total < EXACT_ESTIMATE_LIMIT
+        base, rem, exact = _ranges(total, PROGRAMS_PER_HEAD)
         # -- pass 2: what lies before each of this scheduler's programs, and per-head totals --
-        nonempty_before = tl.zeros([LOCALS], dtype=tl.int32)
-        cut_before = tl.zeros([LOCALS], dtype=tl.int32)
-        at_start_before = tl.zeros([LOCALS], dtype=tl.int32)
-        first_seq = tl.zeros([LOCALS], dtype=tl.int32)
-        begins_before = tl.zeros([LOCALS], dtype=tl.int32)
-        parts_before = tl.zeros([LOCALS], dtype=tl.int32)
-        last_end_seq = zero
-        total_nonempty = zero
-        total_cut = zero
-        total_at_start = zero
+        counts = _no_counts(zero, LOCALS)
         carry = zero
         for b0 in range(0, batch, BLOCK_B):
             in_batch = b0 + offs < batch
@@ -539,24 +542,11 @@ def _schedule_kernel(
                 lens, in_batch, carry, base, rem, shift, exact
             )
             carry += tl.sum(parts, axis=0)
-            nc, ad, bb, pb, en, ca = _counts(
-                parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS
-            )
-            ne_b, cut_b = _split(nc)
-            as_b, fs = _split(ad)
-            es, ne_t = _split(en)
-            cut_t, as_t = _split(ca)
-            nonempty_before += ne_b
-            cut_before += cut_b
-            at_start_before += as_b
-            first_seq += fs
-            begins_before += bb
-            parts_before = tl.maximum(parts_before, pb)
-            last_end_seq += es
-            total_nonempty += ne_t
-            total_cut += cut_t
-            total_at_start += as_t
+            more = _counts(parts, cum_incl, cum_excl, offset, size, base, rem, local0, LOCALS)
+            counts = _add_counts(counts, more)
 
+    nonempty_before, cut_before, at_start_before, first_seq, begins_before = counts[:5]
+    parts_before, last_end_seq, total_nonempty, total_cut, total_at_start = counts[5:]
     # Boundaries between non-empty programs that fall inside a sequence (each cuts it once
     # more), before each program and in all (see _counts).
     nonempty_programs = tl.where(base > 0, PROGRAMS_PER_HEAD, rem)
@@ -587,30 +577,11 @@ def _schedule_kernel(
         work_base = _pick(work_bases, lanes, l)
         slot_base = _pick(slot_bases, lanes, l)
         reduce_index = _pick(reduce_indices, lanes, l)
+        pid = first_pid + l
+        program = (pid, kv_head, local, p_start, p_end, work_base, slot_base, reduce_index)
         if WINDOW == 0:
-            _write_works(
-                works_ptr,
-                reduces_ptr,
-                offs,
-                lens,
-                parts,
-                cum_incl,
-                cum_excl,
-                first,
-                last,
-                first_pid + l,
-                kv_head,
-                local,
-                p_start,
-                p_end,
-                work_base,
-                slot_base,
-                reduce_index,
-                zero,
-                zero,
-                GROUP,
-                shift,
-            )
+            chunk = (offs, lens, parts, cum_incl, cum_excl, first, last)
+            _write_works(works_ptr, reduces_ptr, chunk, program, zero, zero, GROUP, shift)
         else:
             # One past the last sequence: those that begin before p_end, which is the next
             # program's start.
@@ -631,42 +602,16 @@ def _schedule_kernel(
                 )
                 last_w, _, _ = _program_of(cum_incl_w - 1, base, rem, exact)
                 carry += tl.sum(parts_w, axis=0)
+                chunk = (seq, lens_w, parts_w, cum_incl_w, cum_excl_w, first_w, last_w)
                 mine_carry, cut_carry = _write_works(
-                    works_ptr,
-                    reduces_ptr,
-                    seq,
-                    lens_w,
-                    parts_w,
-                    cum_incl_w,
-                    cum_excl_w,
-                    first_w,
-                    last_w,
-                    first_pid + l,
-                    kv_head,
-                    local,
-                    p_start,
-                    p_end,
-                    work_base,
-                    slot_base,
-                    reduce_index,
-                    mine_carry,
-                    cut_carry,
-                    GROUP,
-                    shift,
+                    works_ptr, reduces_ptr, chunk, program, mine_carry, cut_carry, GROUP, shift
                 )
 
     # -- clear the reduce records no sequence uses, so the reducer skips them --
     used = (NUM_PROGRAMS // PROGRAMS_PER_HEAD) * total_cut
-    grid = NUM_PROGRAMS // LOCALS
-    for r0 in range(tl.program_id(0) * BLOCK_B, max_reduces, grid * BLOCK_B):
-        r = r0 + offs
-        unused = (r >= used) & (r < max_reduces)
-        for f in tl.static_range(REDUCE_FIELDS):
-            tl.store(
-                reduces_ptr + r.to(tl.int64) * REDUCE_FIELDS + f,
-                tl.full([BLOCK_B], -1, tl.int32),
-                mask=unused,
-            )
+    _clear_unused_reduces(
+        reduces_ptr, used, max_reduces, tl.program_id(0), NUM_PROGRAMS // LOCALS, BLOCK_B
+    )
 
 
 @triton.jit
@@ -727,10 +672,8 @@ def _schedule_invariant_kernel(
     work_indptr_ptr, works_ptr, reduces_ptr, planned_ptr, faults_ptr, rows_ptr = _metadata(
         metadata_ptr, batch, max_works, max_reduces, NUM_PROGRAMS
     )
-    if RAGGED:
-        min_len = 0
-    else:
-        min_len = query_len
+    records = (planned_ptr, faults_ptr, rows_ptr, query_start_loc_ptr, query_len, max_len)
+    min_len = _min_len(query_len, RAGGED)
     local = tl.program_id(0)
     offs = tl.arange(0, BLOCK_B)
     zero = tl.sum(tl.zeros([BLOCK_B], dtype=tl.int32), axis=0)
@@ -747,18 +690,7 @@ def _schedule_invariant_kernel(
         raw = tl.load(seq_lens_ptr + seq, mask=in_batch, other=0)
         owner = (b0 // BLOCK_B) % PROGRAMS_PER_HEAD == local
         row_carry = _record_lengths(
-            planned_ptr,
-            faults_ptr,
-            rows_ptr,
-            seq,
-            raw,
-            in_batch,
-            in_batch & owner,
-            query_len,
-            max_len,
-            query_start_loc_ptr,
-            row_carry,
-            RAGGED,
+            records, seq, raw, in_batch, in_batch & owner, row_carry, RAGGED
         )
         _, parts, _, chunks = _invariant_chunks(raw, in_batch, min_len, max_len, PARTITION_SHIFT)
         cut = chunks > 1
@@ -766,9 +698,7 @@ def _schedule_invariant_kernel(
         total_chunks += tl.sum(chunks, axis=0)
         total_slots += tl.sum(tl.where(cut, chunks, 0), axis=0)
         total_cut += tl.sum(cut.to(tl.int32), axis=0)
-    base = total // PROGRAMS_PER_HEAD
-    rem = total % PROGRAMS_PER_HEAD
-    exact = total < EXACT_ESTIMATE_LIMIT
+    base, rem, exact = _ranges(total, PROGRAMS_PER_HEAD)
     p_start = _start_of(local, base, rem)
 
     # -- pass 2: chunks that begin before this program's range; the owned blocks' records --
@@ -807,10 +737,7 @@ def _schedule_invariant_kernel(
                     program = h * PROGRAMS_PER_HEAD + program
                     _store_work(rec, program, seq, head, tok_start, tok_end, slot, mine, GROUP)
                 red = reduces_ptr + (h * total_cut + reduce_index).to(tl.int64) * REDUCE_FIELDS
-                tl.store(red + REDUCE_SEQ, seq, mask=cut)
-                tl.store(red + REDUCE_KV_HEAD, tl.zeros_like(seq) + h, mask=cut)
-                tl.store(red + REDUCE_FIRST_SLOT, h * total_slots + first_slot, mask=cut)
-                tl.store(red + REDUCE_NUM_SLOTS, chunks, mask=cut)
+                _store_reduce(red, seq, h, h * total_slots + first_slot, 0, chunks - 1, cut)
         carry_parts += tl.sum(parts, axis=0)
         carry_chunks += tl.sum(chunks, axis=0)
         carry_slots += tl.sum(slots, axis=0)
@@ -823,13 +750,6 @@ def _schedule_invariant_kernel(
         tl.store(planned_ptr - 1, zero + (1 << PARTITION_SHIFT))  # the step's partition size
 
     # -- clear the reduce records no sequence uses, so the reducer skips them --
-    used = NUM_KV_HEADS * total_cut
-    for r0 in range(local * BLOCK_B, max_reduces, PROGRAMS_PER_HEAD * BLOCK_B):
-        r = r0 + offs
-        unused = (r >= used) & (r < max_reduces)
-        for f in tl.static_range(REDUCE_FIELDS):
-            tl.store(
-                reduces_ptr + r.to(tl.int64) * REDUCE_FIELDS + f,
-                tl.full([BLOCK_B], -1, tl.int32),
-                mask=unused,
-            )
+    _clear_unused_reduces(
+        reduces_ptr, NUM_KV_HEADS * total_cut, max_reduces, local, PROGRAMS_PER_HEAD, BLOCK_B
+    )

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from ..testing import StepShape
+
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 Q_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BYTES_PER_ELEMENT = {"fp8": 1, "bf16": 2, "fp16": 2}
@@ -100,18 +102,14 @@ class Case:
             return [self.context] * self.batch
         return ragged_lengths(self.batch, *self.ragged, seed=self.seed)
 
+    @property
+    def shape(self) -> StepShape:
+        """The step's shape (``kv_dtype`` as a torch dtype)."""
+        return StepShape.of(self, kv_dtype=KV_DTYPES[self.kv_dtype])
+
     def plan_kwargs(self) -> dict:
         """The step as ``pagedattn.plan_decode`` keywords (the default partition)."""
-        return dict(
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            page_size=self.page_size,
-            query_len=self.query_len,
-            kv_dtype=KV_DTYPES[self.kv_dtype],
-            kv_scale=self.kv_scale,
-            num_programs=self.num_programs,
-        )
+        return dict(self.shape.plan_sizes(), num_programs=self.num_programs)
 
     @property
     def label(self) -> str:
@@ -137,6 +135,11 @@ class Case:
             f"{self.label} q_len {self.query_len} {self.kv_dtype}{scale} page {self.page_size} "
             f"heads {self.num_q_heads}/{self.num_kv_heads} d {self.head_dim}"
         )
+
+
+# The seed workload's step: a case's defaults (16/1 heads, head_dim 128, FP8 KV per tensor,
+# page 1024), query_len 1.
+SEED_SHAPE = Case(batch=1, context=1).shape
 
 
 def ragged_lengths(batch: int, low: int, high: int, *, seed: int = RAGGED_SEED) -> list[int]:

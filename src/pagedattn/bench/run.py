@@ -22,7 +22,6 @@ from pagedattn.reference import rel_error
 
 from . import report
 from .cases import (
-    KV_DTYPES,
     Q_DTYPES,
     Case,
     kv_bytes,
@@ -57,14 +56,7 @@ def make_cache(case: Case, device: torch.device, generator: torch.Generator | No
     those slots get finite values (1.0) here.
     """
     cache = pagedattn.build_paged_cache(
-        case.seq_lens(),
-        num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim,
-        page_size=case.page_size,
-        kv_dtype=KV_DTYPES[case.kv_dtype],
-        kv_scale=case.kv_scale,
-        device=device,
-        generator=generator,
+        case.seq_lens(), **case.shape.cache_sizes(), device=device, generator=generator
     )
     if any(n % case.page_size for n in case.seq_lens()):
         for values in (cache.k_cache, cache.v_cache):
