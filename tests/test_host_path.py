@@ -399,17 +399,16 @@ def test_direct_launch_takes_each_cache_at_its_address(family, monkeypatch):
     launched = _direct_launches(monkeypatch)
     if family == "hopper":
         monkeypatch.setitem(backend._hopper_reasons, torch.device(DEVICE), None)
-    shape = dict(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=128, query_len=1)
-    shape.update(SCALES)
+    shape = dataclasses.replace(SHAPE, num_q_heads=16, head_dim=128, page_size=128, query_len=1)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     caches = []
     for _ in range(2):
-        cache, q = random_step([300, 17, 129], **shape, device=DEVICE, generator=gen)
+        cache, q = shape.random_step([300, 17, 129], device=DEVICE, generator=gen)
         cache.block_table.copy_(caches[0].block_table if caches else cache.block_table)
         caches.append(cache)
     kernel = gluon_decode_kernel if family == "hopper" else _decode_kernel
     with backend.using_backend("gluon" if family == "hopper" else "triton"):
-        plan = pagedattn.plan_decode(caches[0].seq_lens, **shape)
+        plan = shape.plan(caches[0].seq_lens)
         for cache in (*caches, caches[0], caches[1]):
             launched.clear()
             _decode(shape, cache, q, plan)
