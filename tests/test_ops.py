@@ -342,7 +342,9 @@ def test_ops_take_every_argument_of_the_public_calls():
     assert out_op == decode_public - {"return_lse"} | {"out", "lse"}
     # The traced form takes every one of them (it calls the ops), and the plan.
     assert public(traced_paged_decode) == decode_public | {"plan", "out"}
-    assert set(ops.TRACED_DECODE_DEFAULTS) == public(traced_paged_decode) - {
+    assert set(ops._keyword_defaults(pagedattn.paged_decode, traced_paged_decode)) == public(
+        traced_paged_decode
+    ) - {
         "q",
         "k_cache",
         "v_cache",

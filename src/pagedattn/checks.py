@@ -452,15 +452,7 @@ def check_decode_args(
     elif k_mode is not None or v_mode is not None:
         _fail(ValueError, "k_scale/v_scale", f"None for a {k_cache.dtype} cache", "a tensor")
 
-    if sm_scale is not None:
-        if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
-            _fail(TypeError, "sm_scale", "a float", type(sm_scale).__name__)
-        try:
-            finite = math.isfinite(float(sm_scale))
-        except OverflowError:  # an int too large for a float
-            finite = False
-        if not (finite and sm_scale > 0):
-            _fail(ValueError, "sm_scale", "a finite float > 0", sm_scale)
+    check_sm_scale(sm_scale)
     if sliding_window is not None:
         _positive_int("sliding_window", sliding_window)
     if sinks is not None:
@@ -500,6 +492,20 @@ def check_decode_args(
     if plan is not None:
         check_plan_matches(plan, shape, q.device)
     return shape
+
+
+def check_sm_scale(sm_scale) -> None:
+    """``sm_scale``: None, or a finite int or float > 0 (not a bool)."""
+    if sm_scale is None:
+        return
+    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
+        _fail(TypeError, "sm_scale", "a float", type(sm_scale).__name__)
+    try:
+        finite = math.isfinite(float(sm_scale))
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not (finite and sm_scale > 0):
+        _fail(ValueError, "sm_scale", "a finite float > 0", sm_scale)
 
 
 def _check_plan_type(plan) -> None:

@@ -17,7 +17,6 @@ whose signature was seen before launches its prepared step.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import torch
@@ -304,15 +303,7 @@ def check_mla_args(
         _fail(ValueError, "scale", "a float32 tensor for an FP8 cache", None)
     if kv_cache.dtype != torch.float8_e4m3fn and kv_scale is not None:
         _fail(ValueError, "scale", f"None for a {kv_cache.dtype} cache", "a tensor")
-    if sm_scale is not None:
-        if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
-            _fail(TypeError, "sm_scale", "a float", type(sm_scale).__name__)
-        try:
-            finite = math.isfinite(float(sm_scale))
-        except OverflowError:  # an int too large for a float
-            finite = False
-        if not (finite and sm_scale > 0):
-            _fail(ValueError, "sm_scale", "a finite float > 0", sm_scale)
+    checks.check_sm_scale(sm_scale)
 
     want = (num_tokens, num_heads, MLA_HEAD_DIM_V)
     if out is not None:

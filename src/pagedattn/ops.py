@@ -221,11 +221,16 @@ def _(*args):
     returns="()",
 )
 def _paged_decode_out_op(*args) -> None:
-    arg = _named(_DECODE_OUT_PARAMS, args)
+    _decode_into(_decode, _named(_DECODE_OUT_PARAMS, args))
+
+
+def _decode_into(decode_call, arg: dict) -> None:
+    """An out= op: ``decode_call`` (a decode on an op's arguments by name) writes ``out``,
+    and the LSE it returns goes into the op's ``lse`` when one is given."""
     lse = arg.pop("lse")
-    result = _decode(arg, return_lse=lse is not None)
+    result = decode_call(arg, return_lse=lse is not None)
     if lse is not None:
-        # paged_decode allocates the LSE; the op's contract is the caller's tensor.
+        # The decode calls allocate the LSE; the op's contract is the caller's tensor.
         lse.copy_(result[1])
 
 
@@ -240,26 +245,36 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, **arguments):
     ``torch.ops.pagedattn.paged_decode``; same arguments, results and errors); eager calls are
     that function. Keyword arguments that are no op arguments (``launch_config``, ``backend``)
     must be None (or "auto") under ``torch.compile``."""
-    tensors = (q, k_cache, v_cache, block_table, seq_lens)
+    return _through_ops(
+        "paged_decode", decode.paged_decode, decode.traced_paged_decode, ("auto",),
+        (q, k_cache, v_cache, block_table, seq_lens), arguments,
+    )  # fmt: skip
+
+
+def _through_ops(name, eager, traced, default_backends, tensors, arguments):
+    """``eager(*tensors, **arguments)`` in eager calls; under ``torch.compile`` ``traced`` with
+    the rest of ``eager``'s keyword arguments at their defaults, once the ones the ops do not
+    take (``launch_config``; ``backend``, but for ``default_backends``) are found None."""
     if not torch.compiler.is_compiling():
-        return decode.paged_decode(*tensors, **arguments)
+        return eager(*tensors, **arguments)
     backend = arguments.pop("backend", None)
     options = {
         "launch_config": arguments.pop("launch_config", None),
-        "backend": None if backend == "auto" else backend,
+        "backend": None if backend in default_backends else backend,
     }
-    check_traced_options("paged_decode", options)
-    given = dict(TRACED_DECODE_DEFAULTS, **arguments)
-    return decode.traced_paged_decode(*tensors, **given)
+    check_traced_options(name, options)
+    return traced(*tensors, **(_keyword_defaults(eager, traced) | arguments))
 
 
-# paged_decode's keyword arguments the custom ops take, at its defaults.
-_TRACED = inspect.signature(decode.traced_paged_decode).parameters
-TRACED_DECODE_DEFAULTS = {
-    name: param.default
-    for name, param in inspect.signature(decode.paged_decode).parameters.items()
-    if name in _TRACED and param.kind is inspect.Parameter.KEYWORD_ONLY
-}
+@functools.cache
+def _keyword_defaults(eager, traced) -> dict:
+    """``eager``'s keyword arguments that ``traced`` takes, at ``eager``'s defaults."""
+    takes = inspect.signature(traced).parameters
+    return {
+        name: param.default
+        for name, param in inspect.signature(eager).parameters.items()
+        if name in takes and param.kind is inspect.Parameter.KEYWORD_ONLY
+    }
 
 
 # -- cache write ------------------------------------------------------------------------------
@@ -286,24 +301,23 @@ def _(*args) -> None:
     return None
 
 
-def append_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    kv_layout: str = "NHD",
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    kv_scale: str | None = None,
-    debug: bool = False,
-) -> None:
+def append_kv(k, v, k_cache, v_cache, slot_mapping, **arguments) -> None:
     """:func:`pagedattn.append_kv` through ``torch.ops.pagedattn.append_kv`` (same arguments,
     writes and errors)."""
-    torch.ops.pagedattn.append_kv(
-        k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale, debug
-    )
+    _call_op(torch.ops.pagedattn.append_kv, _APPEND_PARAMS, eager_append_kv,
+             (k, v, k_cache, v_cache, slot_mapping), arguments)  # fmt: skip
+
+
+def _call_op(op, params: str, public, tensors: tuple, arguments: dict) -> None:
+    """``op`` with ``tensors``, then ``arguments`` (keyword arguments of ``public``, the rest
+    at its defaults) in the op's order; an argument ``public`` does not take raises its
+    TypeError."""
+    defaults = _keyword_defaults(public, public)
+    unknown = sorted(set(arguments) - set(defaults))
+    if unknown:
+        raise TypeError(f"{public.__name__}() got unexpected keyword arguments {unknown}")
+    given = defaults | arguments
+    op(*tensors, *(given[name] for name in _param_names(params)[len(tensors) :]))
 
 
 # -- MLA decode and its cache write -----------------------------------------------------------
@@ -345,11 +359,7 @@ def _(*args):
     "mla_decode_out", _MLA_OUT_PARAMS, mutates=("metadata", "partials", "out", "lse"), returns="()"
 )
 def _mla_decode_out_op(*args) -> None:
-    arg = _named(_MLA_OUT_PARAMS, args)
-    lse = arg.pop("lse")
-    result = _mla(arg, return_lse=lse is not None)
-    if lse is not None:
-        lse.copy_(result[1])
+    _decode_into(_mla, _named(_MLA_OUT_PARAMS, args))
 
 
 @_mla_decode_out_op.register_fake
@@ -363,25 +373,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, **arguments):
     ``torch.ops.pagedattn.mla_decode``; same arguments, results and errors); eager calls are
     that function. ``backend`` (other than its default) and ``launch_config`` must be None
     under ``torch.compile``."""
-    tensors = (q, kv_cache, block_table, seq_lens)
-    if not torch.compiler.is_compiling():
-        return mla.mla_decode(*tensors, **arguments)
-    backend = arguments.pop("backend", None)
-    options = {
-        "launch_config": arguments.pop("launch_config", None),
-        "backend": None if backend in ("auto", "triton") else backend,
-    }
-    check_traced_options("mla_decode", options)
-    given = dict(_TRACED_MLA_DEFAULTS, **arguments)
-    return mla.traced_mla_decode(*tensors, **given)
-
-
-_TRACED_MLA = inspect.signature(mla.traced_mla_decode).parameters
-_TRACED_MLA_DEFAULTS = {
-    name: param.default
-    for name, param in inspect.signature(mla.mla_decode).parameters.items()
-    if name in _TRACED_MLA and param.kind is inspect.Parameter.KEYWORD_ONLY
-}
+    return _through_ops(
+        "mla_decode", mla.mla_decode, mla.traced_mla_decode, ("auto", "triton"),
+        (q, kv_cache, block_table, seq_lens), arguments,
+    )  # fmt: skip
 
 
 _APPEND_MLA_PARAMS = (
@@ -400,15 +395,8 @@ def _(*args) -> None:
     return None
 
 
-def append_mla(
-    latent: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    scale: torch.Tensor | None = None,
-    kv_scale: str | None = None,
-    debug: bool = False,
-) -> None:
+def append_mla(latent, kv_cache, slot_mapping, **arguments) -> None:
     """:func:`pagedattn.append_mla` through ``torch.ops.pagedattn.append_mla`` (same
     arguments, writes and errors)."""
-    torch.ops.pagedattn.append_mla(latent, kv_cache, slot_mapping, scale, kv_scale, debug)
+    _call_op(torch.ops.pagedattn.append_mla, _APPEND_MLA_PARAMS, mla.append_mla,
+             (latent, kv_cache, slot_mapping), arguments)  # fmt: skip
