@@ -669,7 +669,7 @@ class DirectLaunch:
         """The launch on ``stream`` (a raw stream, :func:`current_stream`)."""
         enter = _RUNTIME_KNOBS.launch_enter_hook
         exit_hook = _RUNTIME_KNOBS.launch_exit_hook
-        # (Triton 3.6 keeps its launch hooks in chains, called only when one is registered.)
+        # (Triton 3.6 keeps its launch hooks in chains; with none registered, none is called.)
         if not (getattr(enter, "calls", True) or getattr(exit_hook, "calls", True)):
             self.launcher(*self.grid, stream, *self.quiet, *args, *self.tail)
             return
