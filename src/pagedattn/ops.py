@@ -187,22 +187,32 @@ def plan_decode(seq_lens: torch.Tensor, **arguments) -> DecodePlan:
 # -- decode -------------------------------------------------------------------------------------
 
 
-def _decode(arg: dict, **more):
-    """:func:`pagedattn.paged_decode` on a decode op's arguments by name (``more``: further
-    keyword arguments), with a plan rebuilt around the op's buffers."""
+def _with_plan(decode_call, arg: dict, **more):
+    """``decode_call`` (:func:`pagedattn.paged_decode` or :func:`pagedattn.mla_decode`) on a
+    decode op's arguments by name (``more``: further keyword arguments), with a plan rebuilt
+    around the op's buffers."""
     sizes = {name: arg.pop(name) for name in _PLAN_FIELDS}
     plan = _rebuild_plan(arg.pop("metadata"), arg.pop("partials"), sizes)
-    return decode.paged_decode(**arg, **more, plan=plan)
+    return decode_call(**arg, **more, plan=plan)
+
+
+def _decode(arg: dict, **more):
+    return _with_plan(decode.paged_decode, arg, **more)
+
+
+def _returning_lse(decode_call, arg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode op's ``(out, lse)``: the LSE ``decode_call`` returns, or an empty one when
+    the op is not asked for it (an op returns the same number of tensors either way)."""
+    if arg["return_lse"]:
+        return decode_call(arg)
+    return decode_call(arg), arg["q"].new_empty(0, dtype=torch.float32)
 
 
 @_custom_op(
     "paged_decode", _DECODE_PARAMS, mutates=("metadata", "partials"), returns="(Tensor, Tensor)"
 )
 def _paged_decode_op(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    arg = _named(_DECODE_PARAMS, args)
-    if arg["return_lse"]:
-        return _decode(arg)
-    return _decode(arg), arg["q"].new_empty(0, dtype=torch.float32)
+    return _returning_lse(_decode, _named(_DECODE_PARAMS, args))
 
 
 @_paged_decode_op.register_fake
@@ -331,19 +341,12 @@ _MLA_OUT_PARAMS = f"{_MLA_INPUTS}, bool debug, Tensor out, Tensor? lse"
 
 
 def _mla(arg: dict, **more):
-    """:func:`pagedattn.mla_decode` on an MLA op's arguments by name, with a plan rebuilt
-    around the op's buffers."""
-    sizes = {name: arg.pop(name) for name in _PLAN_FIELDS}
-    plan = _rebuild_plan(arg.pop("metadata"), arg.pop("partials"), sizes)
-    return mla.mla_decode(**arg, **more, plan=plan)
+    return _with_plan(mla.mla_decode, arg, **more)
 
 
 @_custom_op("mla_decode", _MLA_PARAMS, mutates=("metadata", "partials"), returns="(Tensor, Tensor)")
 def _mla_decode_op(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    arg = _named(_MLA_PARAMS, args)
-    if arg["return_lse"]:
-        return _mla(arg)
-    return _mla(arg), arg["q"].new_empty(0, dtype=torch.float32)
+    return _returning_lse(_mla, _named(_MLA_PARAMS, args))
 
 
 @_mla_decode_op.register_fake
