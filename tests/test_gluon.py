@@ -53,27 +53,14 @@ SPILL_BYTES = 32
 VARIANTS = HOPPER_BUILDS
 
 _BUILD = r"""
-import json, os, re, subprocess, sys, tempfile
-import triton
+import json, re, sys
 from pagedattn.families import hopper
+from pagedattn.testing import cuobjdump, resource_usage
 
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 results = []
 for variant in json.loads(sys.argv[1]):
     kernel = hopper.compile_sm90a(**variant)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "-res-usage", path],
-            capture_output=True, text=True, check=True,
-        ).stdout
-        sass = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "-sass", path],
-            capture_output=True, text=True, check=True,
-        ).stdout
-    fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    sass = cuobjdump(kernel, "-sass")
     # The tile loop: the tightest backward branch around a warpgroup MMA (a tile's Q K^T or
     # P V: an order that issues the last tile's P V after the loop puts the kernel's last MMA
     # outside it). A barrier wait's out-of-line retry is no loop: its branch back lands right
@@ -102,7 +89,7 @@ for variant in json.loads(sys.argv[1]):
         loop_spills=sum(
             1 for a, op in code if top <= a <= bottom and re.search(r"\b(LDL|STL)", op)
         ),
-        **{k.lower(): int(v) for k, v in fields.items()},
+        **resource_usage(kernel),
     ))
 print(json.dumps(results))
 """

@@ -1031,14 +1031,14 @@ def test_append_argument_errors(change, exception, message, gen):
 # ---------------------------------------------------------------- builds for the GPU
 
 _BUILD = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, sys
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from pagedattn._kernels.mla import _append_mla_kernel, _mla_decode_kernel
 from pagedattn.mla import MLA_ROW_DIM, mla_constexprs, mla_launch_config
+from pagedattn.testing import resource_usage
 
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 types = {"bfloat16": "*bf16", "float16": "*fp16", "float8_e4m3fn": "*fp8e4nv"}
 results = []
 for kv, q, kv_scale, query_len, group, page_size in json.loads(sys.argv[1]):
@@ -1060,16 +1060,7 @@ for kv, q, kv_scale, query_len, group, page_size in json.loads(sys.argv[1]):
     }
     source = triton.compiler.ASTSource(_mla_decode_kernel, signature, constexprs=launch)
     built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(built.asm["cubin"])
-        usage = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "-res-usage", path],
-            capture_output=True, text=True, check=True,
-        ).stdout
-    fields = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
-    results.append(dict(fields, mma="mma.sync" in built.asm["ptx"]))
+    results.append(dict(resource_usage(built), mma="mma.sync" in built.asm["ptx"]))
 # The cache write: e4m3fn as Triton's type (sm_90) and as bytes (sm_80).
 for cache, arch in (("*fp8e4nv", 90), ("*u8", 80)):
     launch = dict(ROW_DIM=MLA_ROW_DIM, BLOCK_D=1024, FP8=True, PER_TOKEN=True, FP8_MAX=448.0,

@@ -21,8 +21,11 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 import random
 import re
+import subprocess
+import tempfile
 
 import torch
 
@@ -928,3 +931,26 @@ def random_llama(
     torch.manual_seed(seed)
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def cuobjdump(compiled, flag: str) -> str:
+    """The output of ``cuobjdump FLAG`` (Triton's bundled one) over a kernel built for an
+    NVIDIA target (``compiled.asm["cubin"]``), e.g. ``-res-usage`` or ``-sass``."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run(
+            [os.path.join(tools, "cuobjdump"), flag, path],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """Registers, stack and local bytes a thread of a kernel built for an NVIDIA target, as
+    ``cuobjdump -res-usage`` reports them: ``{"reg": ..., "stack": ..., "local": ...}``."""
+    usage = cuobjdump(compiled, "-res-usage")
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
