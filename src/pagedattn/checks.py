@@ -475,15 +475,7 @@ def check_decode_args(
             _fail(ValueError, "logits_soft_cap", "a finite float > 0 or None", logits_soft_cap)
 
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            _fail(TypeError, "out", "a torch.Tensor", type(out).__name__)
-        if tuple(out.shape) != tuple(q.shape):
-            _fail(ValueError, "out", f"shape {tuple(q.shape)} (q's)", tuple(out.shape))
-        if out.dtype not in (q.dtype, torch.float32):
-            _fail(TypeError, "out", f"dtype {q.dtype} (q's) or float32", out.dtype)
-        _on_device("q", q.device, out=out)
-        if out.stride(-1) != 1:
-            _fail(ValueError, "out", "a unit stride on head_dim", out.stride())
+        check_out(out, q, tuple(q.shape), "q's", "head_dim")
 
     shape = DecodeShape(
         batch, query_len, num_q_heads, num_kv_heads, head_dim, page_size, num_pages,
@@ -492,6 +484,20 @@ def check_decode_args(
     if plan is not None:
         check_plan_matches(plan, shape, q.device)
     return shape
+
+
+def check_out(out, q, shape: tuple, shape_is: str, last_dim: str) -> None:
+    """An ``out=`` tensor: of ``shape`` (described as ``shape_is``), q's dtype or float32, on
+    q's device, with a unit stride on its last dim (named ``last_dim``)."""
+    if not isinstance(out, torch.Tensor):
+        _fail(TypeError, "out", "a torch.Tensor", type(out).__name__)
+    if tuple(out.shape) != shape:
+        _fail(ValueError, "out", f"shape {shape} ({shape_is})", tuple(out.shape))
+    if out.dtype not in (q.dtype, torch.float32):
+        _fail(TypeError, "out", f"dtype {q.dtype} (q's) or float32", out.dtype)
+    _on_device("q", q.device, out=out)
+    if out.stride(-1) != 1:
+        _fail(ValueError, "out", f"a unit stride on {last_dim}", out.stride())
 
 
 def check_sm_scale(sm_scale) -> None:

@@ -307,20 +307,7 @@ def check_mla_args(
 
     want = (num_tokens, num_heads, MLA_HEAD_DIM_V)
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            _fail(TypeError, "out", "a torch.Tensor", type(out).__name__)
-        if tuple(out.shape) != want:
-            _fail(
-                ValueError,
-                "out",
-                f"shape {want} (q's rows and heads x head_dim_v)",
-                tuple(out.shape),
-            )
-        if out.dtype not in (q.dtype, torch.float32):
-            _fail(TypeError, "out", f"dtype {q.dtype} (q's) or float32", out.dtype)
-        _on_device("q", q.device, out=out)
-        if out.stride(-1) != 1:
-            _fail(ValueError, "out", "a unit stride on its last dim", out.stride())
+        checks.check_out(out, q, want, "q's rows and heads x head_dim_v", "its last dim")
 
     shape = MLAShape(
         batch, query_len, num_heads, page_size, num_pages, block_table.shape[1],
