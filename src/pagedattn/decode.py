@@ -441,13 +441,22 @@ def traced_paged_decode(
         *plan.op_sizes(), sm_scale, k_scale, v_scale, kv_layout, sliding_window, sinks,
         logits_soft_cap, query_start_loc,
     )  # fmt: skip
+    ops = torch.ops.pagedattn
+    flags = (debug, exact_qk)
+    return call_decode_op(ops.paged_decode, ops.paged_decode_out, q, common, flags, out, return_lse)
+
+
+def call_decode_op(op, out_op, q, common: tuple, flags: tuple, out, return_lse: bool):
+    """A traced decode call's custom op: ``out_op(*common, *flags, out, lse)`` into a given
+    ``out`` (with an LSE made here when asked), else ``op(*common, return_lse, *flags)``;
+    ``out``, or ``(out, lse)`` with ``return_lse``."""
     if out is not None:
         lse = None
         if return_lse:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        torch.ops.pagedattn.paged_decode_out(*common, debug, exact_qk, out, lse)
+        out_op(*common, *flags, out, lse)
         return (out, lse) if return_lse else out
-    out, lse = torch.ops.pagedattn.paged_decode(*common, return_lse, debug, exact_qk)
+    out, lse = op(*common, return_lse, *flags)
     return (out, lse) if return_lse else out
 
 

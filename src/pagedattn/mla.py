@@ -29,7 +29,7 @@ from ._kernels.mla import _append_mla_kernel, _mla_decode_kernel
 from .backend import check_backend, check_traced_options, through_ops
 from .cache import APPEND_FP8_FORMATS, FP8_MAXES, _fp8_native, _raise_bad_slots
 from .checks import _fail, _on_device, _tensor, remember, tensor_key
-from .decode import _raise_faults
+from .decode import _raise_faults, call_decode_op
 from .families.reduce import ReduceStep
 from .launch import BoundLaunch, ReduceLaunchConfig, decode_launch, next_power_of_2
 from .plan import DecodePlan, plan_decode
@@ -854,11 +854,5 @@ def traced_mla_decode(
         q, kv_cache, block_table, seq_lens, plan.metadata, plan.partials, *plan.op_sizes(),
         head_dim_v, sm_scale, scale,
     )  # fmt: skip
-    if out is not None:
-        lse = None
-        if return_lse:
-            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        torch.ops.pagedattn.mla_decode_out(*common, debug, out, lse)
-        return (out, lse) if return_lse else out
-    out, lse = torch.ops.pagedattn.mla_decode(*common, return_lse, debug)
-    return (out, lse) if return_lse else out
+    ops = torch.ops.pagedattn
+    return call_decode_op(ops.mla_decode, ops.mla_decode_out, q, common, (debug,), out, return_lse)
