@@ -30,11 +30,16 @@ requires_gpu = pytest.mark.skipif(
 def fresh_call_signatures(monkeypatch):
     """Each test starts with no prepared launches, so a test that patches a kernel or a choice
     sees calls take the full path; within a test the fast path works as in use."""
+    import pagedattn.cache
     import pagedattn.decode
     import pagedattn.plan
 
     monkeypatch.setattr(pagedattn.plan, "_PLAN_STEPS", {})
+    monkeypatch.setattr(pagedattn.plan, "_BOUND_PLANS", {})
     monkeypatch.setattr(pagedattn.decode, "_DECODE_STEPS", {})
+    monkeypatch.setattr(pagedattn.decode, "_BOUND_STEPS", {})
+    monkeypatch.setattr(pagedattn.cache, "_APPEND_STEPS", {})
+    monkeypatch.setattr(pagedattn.cache, "_BOUND_APPENDS", {})
 
 
 @pytest.fixture

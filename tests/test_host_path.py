@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, requires_gpu
 
 import pagedattn
 from pagedattn import decode, launch
@@ -51,7 +51,9 @@ def test_repeated_calls_take_the_prepared_step_with_the_same_bits():
     assert len(decode._DECODE_STEPS) == 2  # out= given: another signature, then a hit
     # The same call on the full path (nothing prepared) gives the same bits.
     decode._DECODE_STEPS.clear()
+    decode._BOUND_STEPS.clear()
     planning._PLAN_STEPS.clear()
+    planning._BOUND_PLANS.clear()
     again = shape.plan(cache2.seq_lens, num_programs=4, partition_size=16)
     full = _decode(shape, cache2, q2, again)
     assert torch.equal(full.view(torch.int16), out.view(torch.int16))
@@ -115,7 +117,9 @@ def test_bad_inputs_get_the_full_paths_error_after_a_prepared_call(monkeypatch):
     fresh = {}
     for what, call in _bad_calls(shape, cache, q, plan):
         decode._DECODE_STEPS.clear()
+        decode._BOUND_STEPS.clear()
         planning._PLAN_STEPS.clear()
+        planning._BOUND_PLANS.clear()
         with pytest.raises((TypeError, ValueError)) as error:
             call()
         fresh[what] = (type(error.value), str(error.value))
@@ -363,6 +367,115 @@ def test_tensor_sig_sees_every_change_of_a_tensor_it_saw():
         assert tensor_sig(z) == signature_int(tensor_key(z))
 
 
+def test_tensor_sig_at_is_the_signature_at_an_address():
+    """``tensor_sig_at`` tells tensors apart by signature and address, follows in-place
+    changes like ``tensor_sig``, and ``without_addresses`` maps a key of them back to the key
+    of ``tensor_sig``'s."""
+    from pagedattn.signature import tensor_sig, tensor_sig_at, without_addresses
+
+    base = torch.zeros(64)
+    a, b, c = base[:16].view(4, 4), base[16:32].view(4, 4), base[:16].view(2, 8)
+    assert tensor_sig(a) == tensor_sig(b) != tensor_sig(c)
+    assert len({tensor_sig_at(a), tensor_sig_at(b), tensor_sig_at(c)}) == 3
+    assert tensor_sig_at(a) == tensor_sig_at(base[:16].view(4, 4))  # another object, same
+    key = (tensor_sig_at(a), tensor_sig_at(c), "NHD", None, 7.5)
+    assert without_addresses(key) == (tensor_sig(a), tensor_sig(c), "NHD", None, 7.5)
+    assert without_addresses((tensor_sig_at(b),)) == without_addresses((tensor_sig_at(a),))
+    at = tensor_sig_at(a)
+    a.as_strided_((4, 4), (1, 4))
+    assert tensor_sig_at(a) != at and tensor_sig(a) != tensor_sig(b)
+
+
+def test_bound_launch_passes_what_the_first_call_passed(monkeypatch):
+    """After the first call (Triton's JIT, stood in), a call like it launches its step bound to
+    the same addresses: the launcher gets the first call's arguments, tensors as addresses
+    (but the sinks pointer, never read without sinks), for the decode kernel and the reducer."""
+    from pagedattn import backend
+
+    launched = _direct_launches(monkeypatch)
+    shape, cache, q = _step()
+    plan = shape.plan(cache.seq_lens, num_programs=4, partition_size=16)
+    out = torch.empty_like(q)
+
+    def expanded(args, lse) -> list:
+        # (descriptors as the direct launcher takes them; the LSE, made per call, by name)
+        got = []
+        for a in args:
+            if hasattr(a, "block_shape"):
+                got.extend(launch._encode(a, None))
+            else:
+                got.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
+        return ["lse" if a == lse.data_ptr() else a for a in got]
+
+    with backend.using_backend("triton"):
+        calls = []
+        for _ in range(3):
+            launched.clear()
+            _, lse = _decode(shape, cache, q, plan, out=out, return_lse=True)
+            calls.append([(kernel, expanded(got, lse)) for kernel, got in launched])
+    first, second, third = calls
+    assert second == third and len(first) == len(second) == 1 + (plan.max_reduces > 0)
+    sinks = _parameters(first[0][0]).index("sinks_ptr")
+    for (kernel, was), (same_kernel, now) in zip(first, second, strict=True):
+        assert kernel is same_kernel and len(was) == len(now) and "lse" in now
+        differ = [i for i, (x, y) in enumerate(zip(was, now, strict=True)) if x != y]
+        # (one parameter: the sinks pointer, after the launcher's own 13 and K's and V's
+        # descriptors as encoded)
+        assert len(differ) == (kernel is first[0][0]), kernel
+        if differ:
+            assert was[differ[0]] == q.data_ptr() and now[differ[0]] == cache.seq_lens.data_ptr()
+            assert differ[0] > 13 + sinks
+    assert len(decode._BOUND_STEPS) == 1
+
+
+@requires_gpu
+@pytest.mark.parametrize("backend_name", ["triton", "gluon"])
+def test_bound_launches_call_registered_launch_hooks(backend_name):
+    """With a launch hook registered with Triton, the bound calls (decode, reducer, scheduler
+    refill, cache write) still launch, each calling the hook with its kernel's name, and give
+    the bits of the calls made with no hook."""
+    from triton import knobs
+
+    from pagedattn import backend
+
+    shape = dataclasses.replace(SHAPE, num_q_heads=16, head_dim=128, page_size=16, query_len=1)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    cache, q = shape.random_step([700, 17, 300], device=DEVICE, generator=gen)
+    k_new = torch.randn(3, shape.num_kv_heads, 128, device=DEVICE, dtype=torch.bfloat16)
+    slots = cache.seq_lens.long() - 1  # (page 0 of a fresh cache is sequence 0's: any slots)
+    names = []
+
+    def hook(metadata):
+        names.append(metadata.data["name"] if hasattr(metadata, "data") else str(metadata))
+
+    def step():
+        plan = shape.plan(cache.seq_lens, num_programs=8)
+        results = []
+        for _ in range(3):  # the first through Triton's JIT, then bound
+            shape.plan(cache.seq_lens, num_programs=8, reuse=plan)
+            pagedattn.append_kv(
+                k_new, k_new, cache.k_cache, cache.v_cache, slots, kv_scale="per_tensor",
+                k_scale=cache.k_scale, v_scale=cache.v_scale,
+            )  # fmt: skip
+            results.append(_decode(shape, cache, q, plan, return_lse=True))
+        return results
+
+    with backend.using_backend(backend_name):
+        plain = step()
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            hooked = step()
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        torch.cuda.synchronize()
+    for (out, lse), (want, want_lse) in zip(hooked, plain, strict=True):
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(lse.view(torch.int32), want_lse.view(torch.int32))
+    # Per round: the refill, the cache write, the decode kernel (and the reducer).
+    assert len(names) >= 3 * 3, names
+    assert any("decode" in name for name in names) and any("append" in name for name in names)
+
+
 def _values(args) -> list:
     """A launcher's arguments with each tensor as its address (and a descriptor, which the
     first call passes to Triton's JIT, as its base's)."""
@@ -418,7 +531,8 @@ def test_direct_launch_takes_each_cache_at_its_address(family, monkeypatch):
             assert cache.k_cache.data_ptr() in args and cache.v_cache.data_ptr() in args
             other = caches[1] if cache is caches[0] else caches[0]
             assert other.k_cache.data_ptr() not in args
-        assert len(decode._DECODE_STEPS) == 1
+        assert len(decode._DECODE_STEPS) == 1  # one checked step, bound to each cache
+        assert len(decode._BOUND_STEPS) == 2
         (step,) = decode._DECODE_STEPS.values()
         direct = step.launch.launch.direct
         if step.launch.boxes is not None:

@@ -65,7 +65,7 @@ import torch
 from ._kernels import records, schedule
 from ._kernels.schedule import AUTO_SMALL
 from .launch import REDUCE_RUN_RECORDS, REDUCE_RUNS, next_power_of_2
-from .signature import signature_int
+from .signature import address_int, signature_int
 
 WORK_FIELDS = records.WORK_FIELDS.value
 REDUCE_FIELDS = records.REDUCE_FIELDS.value
@@ -212,6 +212,12 @@ class DecodePlan:
     def sizes_sig(self) -> int:
         """:attr:`sizes_key` as a small int (``signature.signature_int``), for call keys."""
         return signature_int(("plan", *self.sizes_key))
+
+    @functools.cached_property
+    def sig_at(self) -> int:
+        """:attr:`sizes_sig` at the plan's buffers' :attr:`addresses`
+        (``signature.address_int``), for the keys of calls bound to them."""
+        return address_int(self.sizes_sig, self.addresses)
 
     @property
     def group(self) -> int:

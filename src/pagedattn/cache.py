@@ -22,8 +22,16 @@ from . import checks
 from ._kernels.append import _append_kv_kernel
 from ._kernels.common import interpreting
 from .backend import through_ops
-from .checks import remember, signature_int, tensor_key, tensor_sig
-from .launch import BoundLaunch, cache_strides, next_power_of_2, scale_strides
+from .checks import remember, tensor_key, tensor_sig_at, without_addresses
+from .launch import (
+    SLOT,
+    BoundLaunch,
+    SlotLaunch,
+    cache_strides,
+    current_stream,
+    next_power_of_2,
+    scale_strides,
+)
 
 __all__ = [
     "FP8_DTYPE",
@@ -463,6 +471,31 @@ class AppendStep:
     byte_views: bool
     num_slots: int
 
+    def args(self, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> tuple:
+        """The kernel's runtime arguments, in its parameter order."""
+        if self.byte_views:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        if k_scale is None:  # never read without FP8: any pointer (k's, or a bound launch's
+            k_scale = v_scale = k if k is not SLOT else k_cache  # fixed one)
+        (
+            k_token, k_head,
+            v_token, v_head,
+            kc_page, kc_slot, kc_head, kc_dim,
+            vc_page, vc_slot, vc_head, vc_dim,
+            ks_page, ks_slot, ks_head,
+            vs_page, vs_slot, vs_head,
+            page_size, num_slots,
+        ) = self.ints  # fmt: skip
+        return (
+            k, k_token, k_head,
+            v, v_token, v_head,
+            k_cache, kc_page, kc_slot, kc_head, kc_dim,
+            v_cache, vc_page, vc_slot, vc_head, vc_dim,
+            k_scale, ks_page, ks_slot, ks_head,
+            v_scale, vs_page, vs_slot, vs_head,
+            slot_mapping, page_size, num_slots,
+        )  # fmt: skip
+
 
 def append_kv(
     k: torch.Tensor,
@@ -526,57 +559,49 @@ def append_kv(
             k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale, debug
         )
     try:
-        # The fast path: a call like an earlier one reuses its checked, prepared launch.
+        # The fast path: a call like an earlier one, into the same caches at the same slots
+        # (their addresses in the key), launches its bound step.
         key = (
-            signature_int(tensor_key(k)),  # (new tensors each call: read in full)
-            signature_int(tensor_key(v)),
-            tensor_sig(k_cache),
-            tensor_sig(v_cache),
-            tensor_sig(slot_mapping),
-            tensor_sig(k_scale),
-            tensor_sig(v_scale),
+            tensor_key(k),  # (new tensors each call: read in full)
+            tensor_key(v),
+            tensor_sig_at(k_cache),
+            tensor_sig_at(v_cache),
+            tensor_sig_at(slot_mapping),
+            tensor_sig_at(k_scale),
+            tensor_sig_at(v_scale),
             kv_layout,
             kv_scale,
             debug is True,
             debug is False,
         )
-        step = _APPEND_STEPS.get(key)
+        bound = _BOUND_APPENDS.get(key)
+        if bound is not None:
+            bound(current_stream(), k.data_ptr(), v.data_ptr())
+            return
+        step_key = without_addresses(key)
+        step = _APPEND_STEPS.get(step_key)
     except (AttributeError, TypeError):  # not a tensor, unhashable: full checks
-        key = step = None
+        key = step_key = step = None
     if step is None:
         arguments = (k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale)
         step = _append_step(*arguments, debug)
-        remember(_APPEND_STEPS, key, step)
+        remember(_APPEND_STEPS, step_key, step)
     launch = step.launch
     if launch is not None:
-        if step.byte_views:
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        if k_scale is None:
-            k_scale = v_scale = k  # never read without FP8
-        (
-            k_token, k_head,
-            v_token, v_head,
-            kc_page, kc_slot, kc_head, kc_dim,
-            vc_page, vc_slot, vc_head, vc_dim,
-            ks_page, ks_slot, ks_head,
-            vs_page, vs_slot, vs_head,
-            page_size, num_slots,
-        ) = step.ints  # fmt: skip
-        launch(
-            k, k_token, k_head,
-            v, v_token, v_head,
-            k_cache, kc_page, kc_slot, kc_head, kc_dim,
-            v_cache, vc_page, vc_slot, vc_head, vc_dim,
-            k_scale, ks_page, ks_slot, ks_head,
-            v_scale, vs_page, vs_slot, vs_head,
-            slot_mapping, page_size, num_slots,
-        )  # fmt: skip
+        launch(*step.args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
+        if key is not None and launch.direct is not None and not debug:
+            # Bound to these caches, slots and scales for the next call like this one.
+            args = step.args(SLOT, SLOT, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+            remember(_BOUND_APPENDS, key, SlotLaunch(launch.direct, args), MAX_BOUND_APPENDS)
     if debug:
         _raise_bad_slots(slot_mapping, step.num_slots)
 
 
-# Prepared cache writes by call signature (see ``append_kv``'s fast path).
+# Prepared cache writes by call signature, and their launches bound to the addresses of a
+# call's caches, slots and scales (see ``append_kv``'s fast path).
 _APPEND_STEPS: dict[tuple, AppendStep] = {}
+_BOUND_APPENDS: dict[tuple, SlotLaunch] = {}
+MAX_BOUND_APPENDS = 4096
 
 
 def _append_step(

@@ -25,6 +25,8 @@ from .signature import (  # noqa: F401  (the call keys, read here by their calle
     signature_int,
     tensor_key,
     tensor_sig,
+    tensor_sig_at,
+    without_addresses,
 )
 
 HEAD_DIMS = (64, 128, 256)

@@ -24,9 +24,9 @@ from .backend import (
     through_ops,
     using_backend,
 )
-from .checks import remember, signature_int, tensor_key, tensor_sig
+from .checks import remember, signature_int, tensor_key, tensor_sig_at, without_addresses
 from .families.portable import PortableStep
-from .launch import DecodeLaunchConfig
+from .launch import BoundStep, DecodeLaunchConfig
 from .plan import DecodePlan, plan_decode
 
 # A profiling buffer the decode kernel fills with clock stamps (see ``tracing``).
@@ -214,7 +214,8 @@ def paged_decode(
         )  # fmt: skip
     trace = _TRACE.get()
     try:
-        # The fast path: a call like an earlier one reuses its checked, prepared step.
+        # The fast path: a call like an earlier one, on the same caches, table, lengths,
+        # scales and plan (their addresses in the key), launches its bound step.
         if (
             sm_scale is None and sliding_window is None and logits_soft_cap is None
             and return_lse is False and debug is False and exact_qk is False
@@ -224,28 +225,69 @@ def paged_decode(
             options = (sm_scale, sliding_window, logits_soft_cap, return_lse, debug, exact_qk)
             options = (options, tuple(map(type, options)))
         key = (
-            signature_int(tensor_key(q)),  # (a new tensor each call: read in full)
-            tensor_sig(k_cache),
-            tensor_sig(v_cache),
-            tensor_sig(block_table),
-            tensor_sig(seq_lens),
-            plan.sizes_sig,
+            tensor_key(q),  # (a new tensor each call: read in full)
+            tensor_sig_at(k_cache),
+            tensor_sig_at(v_cache),
+            tensor_sig_at(block_table),
+            tensor_sig_at(seq_lens),
+            plan.sig_at,
             # (The optional tensors, None in most calls, without a call each.)
-            k_scale if k_scale is None else tensor_sig(k_scale),
-            v_scale if v_scale is None else tensor_sig(v_scale),
-            sinks if sinks is None else tensor_sig(sinks),
-            query_start_loc if query_start_loc is None else tensor_sig(query_start_loc),
+            k_scale if k_scale is None else tensor_sig_at(k_scale),
+            v_scale if v_scale is None else tensor_sig_at(v_scale),
+            sinks if sinks is None else tensor_sig_at(sinks),
+            query_start_loc if query_start_loc is None else tensor_sig_at(query_start_loc),
             out if out is None else signature_int(tensor_key(out)),
-            trace if trace is None else tensor_sig(trace),
+            trace if trace is None else tensor_sig_at(trace),
             kv_layout,
             options,
             launch_config,
             backend,
             auto_backend(),
         )
-        step = _DECODE_STEPS.get(key)
+        bound = _BOUND_STEPS.get(key)
     except (AttributeError, TypeError):  # no plan, not a tensor, unhashable: full checks
-        key = step = None
+        key = bound = None
+    step = bound
+    if bound is None:
+        step, plan = _checked_step(
+            key, q, k_cache, v_cache, block_table, seq_lens, plan, sm_scale=sm_scale,
+            k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout, sliding_window=sliding_window,
+            sinks=sinks, logits_soft_cap=logits_soft_cap, query_start_loc=query_start_loc,
+            out=out, return_lse=return_lse, debug=debug, exact_qk=exact_qk,
+            launch_config=launch_config, backend=backend, trace=trace,
+        )  # fmt: skip
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = None
+    if step.return_lse:
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    if bound is not None:
+        bound(q, out, lse)
+    elif step.launch is not None:
+        fixed = (k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks)
+        step.launch(q, *fixed, query_start_loc, out, lse, trace)
+        if key is not None:
+            # Bound to these addresses for the next call like this one (once compiled).
+            bound = step.launch.bind(*fixed, query_start_loc, trace)
+            if bound is not None:
+                bound.return_lse, bound.debug = step.return_lse, step.debug
+                remember(_BOUND_STEPS, key, bound, MAX_BOUND)
+    if step.debug:
+        _raise_faults(plan)
+    return (out, lse) if step.return_lse else out
+
+
+def _checked_step(
+    key, q, k_cache, v_cache, block_table, seq_lens, plan, *, sm_scale, k_scale, v_scale,
+    kv_layout, sliding_window, sinks, logits_soft_cap, query_start_loc, out, return_lse, debug,
+    exact_qk, launch_config, backend, trace,
+) -> tuple[DecodeStep, DecodePlan]:  # fmt: skip
+    """The prepared step of a call not bound yet (``key``: its key, None where it has none),
+    the same call's at other addresses or else made from the full checks, and the plan: the
+    call's, or one made here without ``plan``."""
+    # The same call at other addresses reuses its checked, prepared step.
+    step_key = None if key is None else without_addresses(key)
+    step = _DECODE_STEPS.get(step_key)
     if step is None:
         sm_scale, sliding_window, logits_soft_cap = map(
             checks.plain_number, (sm_scale, sliding_window, logits_soft_cap)
@@ -295,25 +337,16 @@ def paged_decode(
             backend=backend,
             trace=trace,
         )
-        remember(_DECODE_STEPS, key, step)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = None
-    if step.return_lse:
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    launch = step.launch
-    if launch is not None:
-        launch(
-            q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
-            query_start_loc, out, lse, trace,
-        )  # fmt: skip
-    if step.debug:
-        _raise_faults(plan)
-    return (out, lse) if step.return_lse else out
+        remember(_DECODE_STEPS, step_key, step)
+    return step, plan
 
 
-# Prepared decode steps by call signature (see ``paged_decode``'s fast path).
+# Prepared decode steps by call signature, and their launches bound to the addresses of a
+# call's caches, table, lengths, scales and plan (see ``paged_decode``'s fast path): an engine
+# meets one of each per layer and batch size.
 _DECODE_STEPS: dict[tuple, DecodeStep] = {}
+_BOUND_STEPS: dict[tuple, BoundStep] = {}
+MAX_BOUND = 8192
 
 
 class DecodeStep:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import os
 import warnings
 
@@ -667,12 +668,11 @@ class DirectLaunch:
 
     def on(self, stream: int, *args) -> None:
         """The launch on ``stream`` (a raw stream, :func:`current_stream`)."""
-        enter = _RUNTIME_KNOBS.launch_enter_hook
-        exit_hook = _RUNTIME_KNOBS.launch_exit_hook
-        # (Triton 3.6 keeps its launch hooks in chains; with none registered, none is called.)
-        if not (getattr(enter, "calls", True) or getattr(exit_hook, "calls", True)):
+        if hooks_quiet():
             self.launcher(*self.grid, stream, *self.quiet, *args, *self.tail)
             return
+        enter = _RUNTIME_KNOBS.launch_enter_hook
+        exit_hook = _RUNTIME_KNOBS.launch_exit_hook
         launch_metadata = self.compiled.launch_metadata(self.grid, stream, *args, *self.tail)
         self.launcher(
             *self.grid, stream, *self.head, launch_metadata, enter, exit_hook, *args, *self.tail
@@ -699,29 +699,95 @@ def current_stream() -> int:
     return _raw_stream(_current_device())
 
 
-class FixedArgs:
-    """The part of a prepared launch's arguments that follows from the tensors that come back
-    call after call (caches, block table, lengths, scales, the plan's buffers), made once for
-    their addresses and kept, at most ``MAX_KEPT`` sets; the caller adds what changes each
-    call (the query, the output). Its key is the addresses themselves, so a set is never
-    taken for other memory (a freed tensor's address reused by another of the same signature
-    takes the same arguments, which are then right for it)."""
+# A per-call argument of a :class:`SlotLaunch` (the query, the output, the LSE).
+SLOT = object()
 
-    __slots__ = ("kept", "make")
 
-    MAX_KEPT = 1024
+def hooks_quiet() -> bool:
+    """Whether no launch hook is registered with Triton (then a direct launch passes none)."""
+    enter = _RUNTIME_KNOBS.launch_enter_hook
+    exit_hook = _RUNTIME_KNOBS.launch_exit_hook
+    # (Triton 3.6 keeps its launch hooks in chains; with none registered, none is called.)
+    return not (getattr(enter, "calls", True) or getattr(exit_hook, "calls", True))
 
-    def __init__(self, make):
-        self.make = make  # make(key, *tensors) -> the fixed arguments
-        self.kept: dict = {}
 
-    def get(self, key: tuple, *tensors):
-        found = self.kept.get(key)
-        if found is None:
-            if len(self.kept) >= self.MAX_KEPT:
-                self.kept.clear()
-            found = self.kept[key] = self.make(*tensors)
-        return found
+class SlotLaunch:
+    """A direct launch with every argument fixed but a few (``SLOT`` in ``args``, filled in
+    order per call): what follows from the tensors that come back call after call (caches,
+    block table, lengths, scales, a plan's buffers) packed once, tensors as their addresses, so
+    a call passes Triton's C launcher its arguments in one go. Its keeper keys it by those
+    tensors' addresses (``signature.tensor_sig_at``): one made for other memory is never
+    taken."""
+
+    __slots__ = ("args", "direct", "launcher", "parts")
+
+    def __init__(self, direct: DirectLaunch, args: tuple):
+        args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        cuts = [i for i, a in enumerate(args) if a is SLOT]
+        ends = [-1, *cuts, len(args)]
+        pieces = [args[start + 1 : end] for start, end in itertools.pairwise(ends)]
+        # The launcher's own arguments before the stream and around the kernel's.
+        pieces[0] = (*direct.quiet, *pieces[0])
+        pieces[-1] = (*pieces[-1], *direct.tail)
+        self.parts = (tuple(direct.grid), *pieces)
+        self.args = args
+        self.direct = direct
+        self.launcher = direct.launcher
+
+    def __call__(self, stream: int, *values) -> None:
+        """The launch on ``stream`` with ``values`` in its slots (none or two; a decode step
+        launches its three inline, :class:`BoundStep`)."""
+        if not hooks_quiet():
+            self.hooked(stream, *values)
+        elif values:
+            a, b = values
+            grid, p0, p1, p2 = self.parts
+            self.launcher(*grid, stream, *p0, a, *p1, b, *p2)
+        else:
+            grid, p0 = self.parts
+            self.launcher(*grid, stream, *p0)
+
+    def hooked(self, stream: int, *values) -> None:
+        """The launch on ``stream`` through :meth:`DirectLaunch.on` (hooks called)."""
+        filled = iter(values)
+        self.direct.on(stream, *(next(filled) if a is SLOT else a for a in self.args))
+
+
+class BoundStep:
+    """A decode step's launches bound to one set of addresses: the decode kernel's
+    (:class:`SlotLaunch`, slots: query, output, LSE) and the reducer's (slots: output, LSE;
+    None where the plan cuts no sequence). Called with the query, the output and the LSE
+    (None: not written), all checked by the caller."""
+
+    __slots__ = ("contiguous_q", "debug", "decode", "reduce", "return_lse")
+
+    def __init__(self, decode: SlotLaunch, reduce: SlotLaunch | None, contiguous_q: bool):
+        self.decode = decode
+        self.reduce = reduce
+        self.contiguous_q = contiguous_q
+        self.return_lse = self.debug = False  # (the caller's)
+
+    def __call__(self, q, out, lse) -> None:
+        if self.contiguous_q:
+            q = q.contiguous()  # (kept until launched)
+        stream = _raw_stream(_current_device())
+        q_at = q.data_ptr()
+        out_at = out.data_ptr()
+        lse_at = out_at if lse is None else lse.data_ptr()
+        decode, reduce = self.decode, self.reduce
+        enter = _RUNTIME_KNOBS.launch_enter_hook
+        exit_hook = _RUNTIME_KNOBS.launch_exit_hook
+        if getattr(enter, "calls", True) or getattr(exit_hook, "calls", True):
+            decode.hooked(stream, q_at, out_at, lse_at)
+            if reduce is not None:
+                reduce.hooked(stream, out_at, lse_at)
+            return
+        # (SlotLaunch.run3 and run2, inline: no hook registered.)
+        grid, p0, p1, p2, p3 = decode.parts
+        decode.launcher(*grid, stream, *p0, q_at, *p1, out_at, *p2, lse_at, *p3)
+        if reduce is not None:
+            grid, p0, p1, p2 = reduce.parts
+            reduce.launcher(*grid, stream, *p0, out_at, *p1, lse_at, *p2)
 
 
 def _encode(desc, meta) -> tuple:

@@ -38,11 +38,13 @@ from .buffers import (  # noqa: F401  (the plan's types and layout, named here t
     run_counts,
     run_slots,
 )
-from .checks import remember, tensor_sig
+from .checks import remember, tensor_sig_at, without_addresses
 from .launch import (
     DEFAULT_PARTITION,
     BoundLaunch,
     ScheduleLaunchConfig,
+    SlotLaunch,
+    current_stream,
     default_grid_multiplier,
     default_num_programs,
     default_partition,
@@ -166,34 +168,45 @@ def plan_decode(
             partition_size, max_seq_len, batch_invariant,
         )  # fmt: skip
         key = (
-            tensor_sig(seq_lens),
-            tensor_sig(query_start_loc),
+            tensor_sig_at(seq_lens),
+            tensor_sig_at(query_start_loc),
             scalars,
             tuple(map(type, scalars)),
             kv_dtype,
             kv_scale,
             schedule_config,
-            None if reuse is None else reuse.sizes_key,
+            None if reuse is None else reuse.sig_at,
             preferred_family(),
             None if max_seq_len is None else (user_table_path(), cache_generation()),
         )
-        step = _PLAN_STEPS.get(key)
+        if reuse is not None:
+            # A plan refilled in place: its launch bound to these addresses, if made.
+            bound = _BOUND_PLANS.get(key)
+            if bound is not None:
+                bound(current_stream())
+                return reuse
+        step_key = without_addresses(key)
+        step = _PLAN_STEPS.get(step_key)
     except (AttributeError, TypeError):  # not a tensor, not a plan, unhashable: full checks
-        key = step = None
+        key = step_key = step = None
     if step is None:
         step = _plan_step(
             seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, query_len, kv_dtype,
             kv_scale, num_programs, partition_size, reuse, max_seq_len, schedule_config,
             query_start_loc, batch_invariant,
         )  # fmt: skip
-        remember(_PLAN_STEPS, key, step)
+        remember(_PLAN_STEPS, step_key, step)
     plan = reuse if reuse is not None else allocate_plan(**step.sizes)
-    step.launch(
+    args = (
         seq_lens,
         query_start_loc if query_start_loc is not None else seq_lens,  # read if RAGGED
         plan.metadata,
         *step.ints,
     )
+    step.launch(*args)
+    direct = step.launch.direct
+    if reuse is not None and key is not None and direct is not None:
+        remember(_BOUND_PLANS, key, SlotLaunch(direct, args), MAX_BOUND_PLANS)
     return plan
 
 
@@ -260,8 +273,11 @@ def traced_plan_decode(
     return refill_plan(new, seq_lens, query_start_loc)
 
 
-# Prepared scheduler launches by call signature (see ``plan_decode``'s fast path).
+# Prepared scheduler launches by call signature, and those refilling a plan bound to its
+# buffers' and the lengths' addresses (see ``plan_decode``'s fast path).
 _PLAN_STEPS: dict[tuple, PlanStep] = {}
+_BOUND_PLANS: dict[tuple, SlotLaunch] = {}
+MAX_BOUND_PLANS = 1024
 
 
 @dataclasses.dataclass(frozen=True)

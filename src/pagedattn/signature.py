@@ -7,9 +7,11 @@ import itertools
 import weakref
 
 # Signatures (tensor_key) by a small int, and each tensor seen by tensor_sig by its identity:
-# (a weak reference, its version counter, its address, its signature's int).
+# (a weak reference, its version counter, its address, its signature's int, and that
+# signature's at its address).
 _SIGNATURES: dict[tuple, int] = {}
 _SEEN: dict[int, tuple] = {}
+_WITHOUT_ADDRESS: dict[int, int] = {}
 _NEXT_SIGNATURE = itertools.count()
 MAX_SEEN = 4096
 
@@ -27,12 +29,31 @@ def tensor_sig(x) -> int | None:
     seen = _SEEN.get(id(x))
     if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == x.data_ptr():
         return seen[3]
+    return _see(x)[3]
+
+
+def tensor_sig_at(x) -> int | None:
+    """:func:`tensor_sig` and the tensor's address as one small int (equal ints, equal keys
+    at the same address; :func:`without_addresses` maps it back to :func:`tensor_sig`'s): what
+    a call keys the arguments on that it passes to a kernel as fixed addresses."""
+    if x is None:
+        return None
+    seen = _SEEN.get(id(x))
+    if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == x.data_ptr():
+        return seen[4]
+    return _see(x)[4]
+
+
+def _see(x) -> tuple:
+    """``x``'s entry in ``_SEEN``, read in full (kept unless ``x`` is an inference tensor)."""
+    address = x.data_ptr()
     sig = signature_int(tensor_key(x))
+    seen = (None, None, address, sig, address_int(sig, address))
     if not x.is_inference():
         if len(_SEEN) >= MAX_SEEN:
             _SEEN.clear()
-        _SEEN[id(x)] = (weakref.ref(x), x._version, x.data_ptr(), sig)
-    return sig
+        seen = _SEEN[id(x)] = (weakref.ref(x), x._version, *seen[2:])
+    return seen
 
 
 def signature_int(key) -> int:
@@ -43,8 +64,25 @@ def signature_int(key) -> int:
         if len(_SIGNATURES) >= MAX_SIGNATURES:
             _SIGNATURES.clear()
             _SEEN.clear()
+            _WITHOUT_ADDRESS.clear()
         sig = _SIGNATURES[key] = next(_NEXT_SIGNATURE)
     return sig
+
+
+def address_int(sig: int, address) -> int:
+    """A small int for the signature ``sig`` at ``address`` (:func:`signature_int` of the
+    pair), which :func:`without_addresses` maps back to ``sig``."""
+    at = signature_int(("at", sig, address))
+    _WITHOUT_ADDRESS[at] = sig
+    return at
+
+
+def without_addresses(key: tuple) -> tuple:
+    """``key`` with each int of :func:`address_int` (from :func:`tensor_sig_at`) replaced by
+    its signature's: the key of the same call at any addresses. (The ints of
+    :func:`signature_int` are never reused, so no other int of a key is taken for one; an
+    int forgotten since stays, and keys a call at that address alone.)"""
+    return tuple(_WITHOUT_ADDRESS.get(part, part) if type(part) is int else part for part in key)
 
 
 def tensor_key(x) -> tuple | None:
@@ -62,10 +100,10 @@ def tensor_key(x) -> tuple | None:
 MAX_SIGNATURES = 4096
 
 
-def remember(steps: dict, key: tuple | None, step) -> None:
+def remember(steps: dict, key: tuple | None, step, limit: int = MAX_SIGNATURES) -> None:
     """Keeps a call's prepared ``step`` under its signature ``key`` (None: a call that could not
-    be keyed, kept nowhere), forgetting every kept one once ``MAX_SIGNATURES`` are."""
+    be keyed, kept nowhere), forgetting every kept one once ``limit`` are."""
     if key is not None:
-        if len(steps) >= MAX_SIGNATURES:
+        if len(steps) >= limit:
             steps.clear()
         steps[key] = step

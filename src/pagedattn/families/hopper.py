@@ -21,7 +21,7 @@ from .._kernels.hopper.common import NUM_WARPS
 from .._kernels.hopper.kernel import gluon_decode_kernel
 from .._kernels.limits import HOPPER_HEAD_DIMS, HOPPER_TRANSPOSED_ROWS, LOG2E
 from ..checks import DecodeCall
-from ..launch import FixedArgs, cache_strides, current_stream, decode_launch, scale_strides
+from ..launch import SLOT, BoundStep, SlotLaunch, cache_strides, decode_launch, scale_strides
 from ..scope import hopper_shape_reason
 from .reduce import ReduceStep
 
@@ -517,13 +517,28 @@ class HopperStep:
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )  # fmt: skip
         self.reduce = ReduceStep(plan, out, lse, reduce_config)
-        self.fixed = FixedArgs(self._fixed)
+
+    def bind(
+        self, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+        query_start_loc, trace,
+    ) -> BoundStep | None:  # fmt: skip
+        """The step's launches bound to these tensors' addresses (descriptors encoded), or
+        None before the first call has compiled the kernel (or where this Triton launches
+        through its own path)."""
+        direct = self.launch.direct
+        if direct is None or not self.reduce.bindable:
+            return None
+        before, between, after = self._fixed(
+            direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, trace
+        )
+        decode = SlotLaunch(direct, (SLOT, *before, SLOT, *between, SLOT, *after))
+        return BoundStep(decode, self.reduce.bind(plan, sinks, query_start_loc), self.contiguous_q)
 
     def _fixed(self, direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
                trace) -> tuple:  # fmt: skip
         """The direct launch's arguments but the query, the output and the LSE, as
         ``(before out, between out and lse, after lse)``: pointers as addresses, descriptors
-        encoded (:class:`pagedattn.launch.FixedArgs` keeps them by address)."""
+        encoded (once a cache address)."""
         q_strides, k_scale_strides, v_scale_strides, table, out_strides, lse_stride, scale = (
             self.ints
         )
@@ -591,30 +606,18 @@ class HopperStep:
         self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, out, lse, trace,
     ) -> None:  # fmt: skip
+        bound = self.bind(
+            k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+            query_start_loc, trace,
+        )  # fmt: skip
+        if bound is not None:
+            bound(q, out, lse)
+            return
+        # Through Triton's JIT: the first call, or a Triton without direct launches.
         if self.contiguous_q:
             q = q.contiguous()
-        launch = self.launch
-        direct = launch.direct
-        if direct is None:  # the first call (Triton's JIT), or a Triton without direct launches
-            launch(
-                *self._args(self._descriptors(k_cache, v_cache), q, block_table, seq_lens,
-                            plan, k_scale, v_scale, out, lse, trace)
-            )  # fmt: skip
-            self.reduce(plan, out, lse, None, None)
-            return
-        key = (
-            plan.addresses,
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_table.data_ptr(),
-            seq_lens.data_ptr(),
-            k_scale if k_scale is None else k_scale.data_ptr(),
-            v_scale if v_scale is None else v_scale.data_ptr(),
-            trace if trace is None else trace.data_ptr(),
-        )
-        before, between, after = self.fixed.get(
-            key, direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, trace
-        )
-        stream = current_stream()
-        direct.on(stream, q, *before, out, *between, out if lse is None else lse, *after)
-        self.reduce.on(stream, plan, out, lse, None, None)
+        self.launch(
+            *self._args(self._descriptors(k_cache, v_cache), q, block_table, seq_lens,
+                        plan, k_scale, v_scale, out, lse, trace)
+        )  # fmt: skip
+        self.reduce(plan, out, lse, None, None)

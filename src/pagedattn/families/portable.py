@@ -11,7 +11,10 @@ from .._kernels.decode import SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, _decode_ker
 from .._kernels.limits import LOG2E
 from ..checks import FP8_DTYPES, DecodeCall, DecodeShape, cache_dims
 from ..launch import (
+    SLOT,
+    BoundStep,
     DecodeLaunchConfig,
+    SlotLaunch,
     Target,
     cache_strides,
     decode_launch,
@@ -291,15 +294,40 @@ class PortableStep:
             trace,
         )  # fmt: skip
 
+    def bind(
+        self, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+        query_start_loc, trace,
+    ) -> BoundStep | None:  # fmt: skip
+        """The step's launches bound to these tensors' addresses (descriptors encoded), or
+        None before the first call has compiled the kernel (or where this Triton launches
+        through its own path)."""
+        direct = self.launch.direct
+        if direct is None or not self.reduce.bindable:
+            return None
+        args = self._args(
+            direct, SLOT, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
+            seq_lens if sinks is None else sinks,  # (not read without sinks)
+            query_start_loc, SLOT, SLOT, trace,
+        )  # fmt: skip
+        reduce = self.reduce.bind(plan, sinks, query_start_loc)
+        return BoundStep(SlotLaunch(direct, args), reduce, False)
+
     def __call__(
         self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, out, lse, trace,
     ) -> None:  # fmt: skip
-        launch = self.launch
-        launch(
+        bound = self.bind(
+            k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+            query_start_loc, trace,
+        )  # fmt: skip
+        if bound is not None:
+            bound(q, out, lse)
+            return
+        # Through Triton's JIT: the first call, or a Triton without direct launches.
+        self.launch(
             *self._args(
-                launch.direct, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale,
-                v_scale, sinks, query_start_loc, out, lse, trace,
+                None, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
+                sinks, query_start_loc, out, lse, trace,
             )
         )  # fmt: skip
         self.reduce(plan, out, lse, sinks, query_start_loc)

@@ -9,8 +9,10 @@ from .._kernels.reduce import _reduce_kernel
 from ..buffers import DecodePlan, run_slots
 from ..launch import (
     REDUCE_RUN_RECORDS,
+    SLOT,
     BoundLaunch,
     ReduceLaunchConfig,
+    SlotLaunch,
     current_stream,
     device_target,
     invariant_reduce_config,
@@ -104,45 +106,34 @@ class ReduceStep:
         if launch is None:
             return
         if launch.direct is not None:
-            self.on(current_stream(), plan, out, lse, sinks, query_start_loc)
+            self.bind(plan, sinks, query_start_loc).hooked(
+                current_stream(), out, out if lse is None else lse
+            )
             return
-        reduces, counts, lse_offset, run_slot, out_tok, out_head, lse_tok, rows, planned = self.args
-        metadata = plan.metadata
-        partials = plan.partials
-        launch(
-            metadata,
-            reduces,
-            counts,
-            partials,
-            lse_offset,
-            run_slot,
-            out,
-            out_tok,
-            out_head,
-            lse if lse is not None else out,  # never written when WRITE_LSE is False
-            lse_tok,
-            query_start_loc if query_start_loc is not None else metadata,  # read if RAGGED
-            rows,
-            planned,
-            sinks if sinks is not None else partials,  # read if HAS_SINKS
-        )
+        # (The LSE is never written without WRITE_LSE.)
+        launch(*self._args(plan, out, out if lse is None else lse, sinks, query_start_loc))
 
-    def on(self, stream, plan, out, lse, sinks, query_start_loc) -> None:
-        """The launch on ``stream`` once it launches directly (the same arguments, pointers as
-        addresses; after a first call)."""
-        launch = self.launch
-        if launch is None:
-            return
-        direct = launch.direct
-        if direct is None:
-            self(plan, out, lse, sinks, query_start_loc)
-            return
+    @property
+    def bindable(self) -> bool:
+        """Whether :meth:`bind` can bind it (it launches nothing, or directly)."""
+        return self.launch is None or self.launch.direct is not None
+
+    def bind(self, plan, sinks, query_start_loc) -> SlotLaunch | None:
+        """The direct launch bound to the plan's (and ``sinks``', ``query_start_loc``'s)
+        addresses, slots: the output, the LSE (the output's address where none is written).
+        None where it launches nothing. Only once :attr:`bindable`."""
+        if self.launch is None:
+            return None
+        return SlotLaunch(self.launch.direct, self._args(plan, SLOT, SLOT, sinks, query_start_loc))
+
+    def _args(self, plan, out, lse, sinks, query_start_loc) -> tuple:
+        """The reducer's runtime arguments, in its parameter order."""
         reduces, counts, lse_offset, run_slot, out_tok, out_head, lse_tok, rows, planned = self.args
-        metadata = plan.addresses[0]
-        partials = plan.addresses[4]
-        qsl = metadata if query_start_loc is None else query_start_loc.data_ptr()
-        direct.on(
-            stream, metadata, reduces, counts, partials, lse_offset, run_slot, out, out_tok,
-            out_head, out if lse is None else lse, lse_tok, qsl, rows, planned,
-            partials if sinks is None else sinks.data_ptr(),
+        metadata, partials = plan.metadata, plan.partials
+        return (
+            metadata, reduces, counts, partials, lse_offset, run_slot, out, out_tok, out_head,
+            lse, lse_tok,
+            metadata if query_start_loc is None else query_start_loc,  # read if RAGGED
+            rows, planned,
+            partials if sinks is None else sinks,  # read if HAS_SINKS
         )  # fmt: skip
