@@ -454,7 +454,7 @@ def test_bound_launches_call_registered_launch_hooks(backend_name):
         for _ in range(3):  # the first through Triton's JIT, then bound
             shape.plan(cache.seq_lens, num_programs=8, reuse=plan)
             pagedattn.append_kv(
-                k_new, k_new, cache.k_cache, cache.v_cache, slots, kv_scale="per_tensor",
+                k_new, k_new, cache.k_cache, cache.v_cache, slots, kv_scale="per_token",
                 k_scale=cache.k_scale, v_scale=cache.v_scale,
             )  # fmt: skip
             results.append(_decode(shape, cache, q, plan, return_lse=True))
