@@ -483,6 +483,7 @@ def _append_build(kv: str, scale: str | None):
     constexprs = dict(
         NUM_KV_HEADS=NUM_KV_HEADS,
         HEAD_DIM=128,
+        BLOCK_T=1,
         BLOCK_H=NUM_KV_HEADS,
         BLOCK_D=128,
         FP8=fp8 is not None,
@@ -490,6 +491,7 @@ def _append_build(kv: str, scale: str | None):
         FP8_MAX=fp8[0] if fp8 else 448.0,
         EXPONENT_BIAS=fp8[1] if fp8 else 7,
         NEGATIVE_ZERO=fp8[2] if fp8 else True,
+        HW_FP8=False,
     )
     cache = "*u8" if fp8 else "*bf16"
     pointers = dict(

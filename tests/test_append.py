@@ -495,12 +495,13 @@ from triton.backends.compiler import GPUTarget
 from pagedattn._kernels.append import _append_kv_kernel
 
 asm = []
-for target, cache, source, slots, (fp8_max, bias, negative_zero), per_token in json.loads(
+for target, cache, source, slots, (fp8_max, bias, negative_zero), per_token, hw in json.loads(
     sys.argv[1]
 ):
     constexprs = dict(
-        NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=fp8_max > 0,
-        PER_TOKEN=per_token, FP8_MAX=fp8_max, EXPONENT_BIAS=bias, NEGATIVE_ZERO=negative_zero,
+        NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_T=4 if hw else 1, BLOCK_H=8, BLOCK_D=128,
+        FP8=fp8_max > 0, PER_TOKEN=per_token, FP8_MAX=fp8_max, EXPONENT_BIAS=bias,
+        NEGATIVE_ZERO=negative_zero, HW_FP8=hw,
     )
     pointers = dict(
         k_ptr=source, v_ptr=source, k_cache_ptr=cache, v_cache_ptr=cache,
@@ -519,21 +520,25 @@ print(json.dumps(asm))
 
 def test_kernel_builds_for_nvidia_and_amd():
     """The compiled kernel, not the interpreter: built on the CPU for sm_90 (e4m3fn as
-    Triton's fp8 type), sm_80 (FP8 caches as bytes, as append_kv passes them where Triton has
-    no type for the format) and MI300 (gfx942), with IEEE division (``div_rn``: the twin's
-    bytes) and never an approximate one."""
+    Triton's fp8 type, rounded by the hardware's conversion, four tokens a program, as
+    append_kv launches it there; and by the integer rounding), sm_80 (FP8 caches as bytes, as
+    append_kv passes them where Triton has no type for the format) and MI300 (gfx942), with
+    IEEE division (``div_rn``: the twin's bytes) and never an approximate one."""
     fn, fnuz, none = (448.0, 7, True), (240.0, 8, False), (0.0, 0, True)
     cases = [
-        (("cuda", 90, 32), "*bf16", "*bf16", "*i64", none, False),
-        (("cuda", 90, 32), "*fp8e4nv", "*fp16", "*i32", fn, True),
-        (("cuda", 80, 32), "*u8", "*bf16", "*i64", fnuz, False),
-        (("hip", "gfx942", 64), "*u8", "*bf16", "*i64", fnuz, True),
+        (("cuda", 90, 32), "*bf16", "*bf16", "*i64", none, False, False),
+        (("cuda", 90, 32), "*fp8e4nv", "*fp16", "*i32", fn, True, False),
+        (("cuda", 90, 32), "*fp8e4nv", "*bf16", "*i64", fn, True, True),
+        (("cuda", 80, 32), "*u8", "*bf16", "*i64", fnuz, False, False),
+        (("hip", "gfx942", 64), "*u8", "*bf16", "*i64", fnuz, True, False),
     ]
     built = json.loads(run_compiled(_BUILD, json.dumps(cases)))
-    for (target, *_, (fp8_max, _, _), _), asm in zip(cases, built, strict=True):
+    for (target, *_, (fp8_max, _, _), _, hw), asm in zip(cases, built, strict=True):
         if fp8_max == 0:
             continue  # a 16-bit cache: a copy, no division
         if target[0] == "cuda":
             assert "div.rn.f32" in asm and "div.full" not in asm and "div.approx" not in asm
+            # The hardware's rounding (saturating, to nearest even) only where asked.
+            assert ("cvt.rn.satfinite.e4m3x2.f32" in asm) == hw
         else:
             assert "v_div_fixup_f32" in asm  # the correctly rounded division sequence

@@ -1,12 +1,14 @@
 """Cache write: the step's new keys and values into the paged cache, with FP8 quantisation.
 
-Grid = (num_tokens, head blocks): a program writes one token's K and V rows for ``BLOCK_H``
-kv heads into cache slot ``slot_mapping[token]`` (``page * page_size + offset``). A slot of
+Grid = (token blocks, head blocks): a program writes ``BLOCK_T`` tokens' K and V rows for
+``BLOCK_H`` kv heads, each token's into cache slot ``slot_mapping[token]`` (``page *
+page_size + offset``). A slot of
 -1 (padding) or outside ``[0, num_slots)`` writes nothing, and no address is formed from it.
 16-bit caches get the values as they are; FP8 caches get ``x / scale`` in float32
 (``div_rn``: IEEE division, as torch divides), saturated at the format's largest value and
 rounded to nearest even by :func:`_fp8_bits` (integer arithmetic, so every backend and the
-interpreter give the same bytes). ``PER_TOKEN``: each (token, head) row's scale is its
+interpreter give the same bytes), or by the hardware's conversion where it has one for the
+format (``HW_FP8``: e4m3fn on NVIDIA from sm_89, the same bytes). ``PER_TOKEN``: each (token, head) row's scale is its
 largest magnitude over ``FP8_MAX`` (1 for a zero row), written beside the values.
 
 Strides are passed in (page, slot, head, dim) order whatever the cache's layout, so one
@@ -72,8 +74,11 @@ def _write_rows(
     FP8_MAX: tl.constexpr,
     EXPONENT_BIAS: tl.constexpr,
     NEGATIVE_ZERO: tl.constexpr,
+    HW_FP8: tl.constexpr,
 ):
-    """One token's rows of K (or V), ``[BLOCK_H, BLOCK_D]``, into the cache."""
+    """Rows of K (or V), ``[rows, BLOCK_D]``, into the cache. ``HW_FP8``: e4m3fn bytes by the
+    hardware's conversion (round to nearest even, as :func:`_fp8_bits`; compiled NVIDIA code
+    from sm_89 only)."""
     x = tl.load(source_ptr + source_offsets, mask=mask, other=0.0)
     if not FP8:
         # -- 16-bit cache: the same dtype as the source, stored bit for bit --
@@ -90,7 +95,10 @@ def _write_rows(
             y = tl.math.div_rn(x, tl.load(scale_ptr))
         # -- saturate, then round to the format's nearest value --
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-        bits = _fp8_bits(y, EXPONENT_BIAS, NEGATIVE_ZERO).to(tl.uint8)
+        if HW_FP8:
+            bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            bits = _fp8_bits(y, EXPONENT_BIAS, NEGATIVE_ZERO).to(tl.uint8)
         tl.store(
             cache_ptr + cache_offsets, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask
         )
@@ -123,10 +131,12 @@ def _append_kv_kernel(
     stride_vs_slot,
     stride_vs_head,
     slot_mapping_ptr,  # [num_tokens] int32 or int64, contiguous
+    num_tokens,
     page_size,
     num_slots,  # num_pages * page_size
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
@@ -134,40 +144,40 @@ def _append_kv_kernel(
     FP8_MAX: tl.constexpr,
     EXPONENT_BIAS: tl.constexpr,
     NEGATIVE_ZERO: tl.constexpr,
+    HW_FP8: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # One row a (token, head) pair: BLOCK_T tokens x BLOCK_H heads, token-major.
+    rows = tl.arange(0, BLOCK_T * BLOCK_H)
+    token = tl.program_id(0).to(tl.int64) * BLOCK_T + rows // BLOCK_H
+    heads = tl.program_id(1) * BLOCK_H + rows % BLOCK_H
     dims = tl.arange(0, BLOCK_D)
 
-    page, offset, in_cache = slot_place(slot_mapping_ptr, token, page_size, num_slots)
+    # (Past the last token: its slot read at the last token's, and nothing written.)
+    page, offset, in_cache = slot_place(
+        slot_mapping_ptr, tl.minimum(token, num_tokens - 1), page_size, num_slots
+    )
 
-    head_mask = (heads < NUM_KV_HEADS) & in_cache
+    head_mask = (heads < NUM_KV_HEADS) & in_cache & (token < num_tokens)
     mask = head_mask[:, None] & (dims < HEAD_DIM)[None, :]
     heads = heads.to(tl.int64)
 
     # -- where the rows come from and go to --
-    k_offsets = token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
-    v_offsets = token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
-    kc_offsets = (
-        page * stride_kc_page
-        + offset * stride_kc_slot
-        + heads[:, None] * stride_kc_head
-        + dims[None, :] * stride_kc_dim
-    )
-    vc_offsets = (
-        page * stride_vc_page
-        + offset * stride_vc_slot
-        + heads[:, None] * stride_vc_head
-        + dims[None, :] * stride_vc_dim
-    )
+    k_offsets = (token * stride_k_token + heads * stride_k_head)[:, None] + dims[None, :]
+    v_offsets = (token * stride_v_token + heads * stride_v_head)[:, None] + dims[None, :]
+    kc_offsets = (page * stride_kc_page + offset * stride_kc_slot + heads * stride_kc_head)[
+        :, None
+    ] + dims[None, :] * stride_kc_dim
+    vc_offsets = (page * stride_vc_page + offset * stride_vc_slot + heads * stride_vc_head)[
+        :, None
+    ] + dims[None, :] * stride_vc_dim
     ks_offsets = page * stride_ks_page + offset * stride_ks_slot + heads * stride_ks_head
     vs_offsets = page * stride_vs_page + offset * stride_vs_slot + heads * stride_vs_head
 
     _write_rows(
         k_ptr, k_offsets, k_cache_ptr, kc_offsets, k_scale_ptr, ks_offsets, mask, head_mask,
-        FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO,
+        FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO, HW_FP8,
     )  # fmt: skip
     _write_rows(
         v_ptr, v_offsets, v_cache_ptr, vc_offsets, v_scale_ptr, vs_offsets, mask, head_mask,
-        FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO,
+        FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO, HW_FP8,
     )  # fmt: skip

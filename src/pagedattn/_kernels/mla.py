@@ -375,5 +375,5 @@ def _append_mla_kernel(
     scale_offsets = page * stride_s_page + offset * stride_s_slot + zero
     _write_rows(
         latent_ptr, latent_offsets, kv_ptr, kv_offsets, scale_ptr, scale_offsets, mask, row_mask,
-        FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO,
+        FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO, False,
     )  # fmt: skip
