@@ -512,13 +512,6 @@ def append(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("append: needs a CUDA GPU (or --smoke)")
-    if args.tile:
-        pagedattn.cache.APPEND_TILE = args.tile
-    if args.warps:
-        pagedattn.cache.APPEND_WARPS = args.warps
-    if args.tile or args.warps:
-        tile, warps = pagedattn.cache.APPEND_TILE, pagedattn.cache.APPEND_WARPS
-        print(f"tile {tile} elements, at most {warps} warps")
     if args.smoke:
         copy_gbps = None
         print(f"smoke run on {device}: tiny sizes; times are meaningless")
@@ -735,14 +728,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-heads", type=int, default=None, help="default 8")
     p.add_argument("--head-dim", type=int, default=None, help="default 128")
-    p.add_argument(
-        "--tile", type=int, default=None,
-        help="elements of a program's K (or V) tile (pagedattn.cache.APPEND_TILE; for tuning)",
-    )  # fmt: skip
-    p.add_argument(
-        "--warps", type=int, default=None,
-        help="most warps a program (pagedattn.cache.APPEND_WARPS; for tuning)",
-    )  # fmt: skip
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--slot-dtype", choices=tuple(SLOT_DTYPES), default="int64")
     p.add_argument("--replays", type=int, default=30, help="timed CUDA-graph replays")

@@ -483,7 +483,6 @@ def _append_build(kv: str, scale: str | None):
     constexprs = dict(
         NUM_KV_HEADS=NUM_KV_HEADS,
         HEAD_DIM=128,
-        BLOCK_T=1,
         BLOCK_H=NUM_KV_HEADS,
         BLOCK_D=128,
         FP8=fp8 is not None,

@@ -499,7 +499,7 @@ for target, cache, source, slots, (fp8_max, bias, negative_zero), per_token, hw 
     sys.argv[1]
 ):
     constexprs = dict(
-        NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_T=4 if hw else 1, BLOCK_H=8, BLOCK_D=128,
+        NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
         FP8=fp8_max > 0, PER_TOKEN=per_token, FP8_MAX=fp8_max, EXPONENT_BIAS=bias,
         NEGATIVE_ZERO=negative_zero, HW_FP8=hw,
     )
@@ -520,8 +520,8 @@ print(json.dumps(asm))
 
 def test_kernel_builds_for_nvidia_and_amd():
     """The compiled kernel, not the interpreter: built on the CPU for sm_90 (e4m3fn as
-    Triton's fp8 type, rounded by the hardware's conversion, four tokens a program, as
-    append_kv launches it there; and by the integer rounding), sm_80 (FP8 caches as bytes, as
+    Triton's fp8 type, rounded by the hardware's conversion, as append_kv launches it there;
+    and by the integer rounding), sm_80 (FP8 caches as bytes, as
     append_kv passes them where Triton has no type for the format) and MI300 (gfx942), with
     IEEE division (``div_rn``: the twin's bytes) and never an approximate one."""
     fn, fnuz, none = (448.0, 7, True), (240.0, 8, False), (0.0, 0, True)

@@ -1,8 +1,7 @@
 """Cache write: the step's new keys and values into the paged cache, with FP8 quantisation.
 
-Grid = (token blocks, head blocks): a program writes ``BLOCK_T`` tokens' K and V rows for
-``BLOCK_H`` kv heads, each token's into cache slot ``slot_mapping[token]`` (``page *
-page_size + offset``). A slot of
+Grid = (num_tokens, head blocks): a program writes one token's K and V rows for ``BLOCK_H``
+kv heads into cache slot ``slot_mapping[token]`` (``page * page_size + offset``). A slot of
 -1 (padding) or outside ``[0, num_slots)`` writes nothing, and no address is formed from it.
 16-bit caches get the values as they are; FP8 caches get ``x / scale`` in float32
 (``div_rn``: IEEE division, as torch divides), saturated at the format's largest value and
@@ -131,12 +130,10 @@ def _append_kv_kernel(
     stride_vs_slot,
     stride_vs_head,
     slot_mapping_ptr,  # [num_tokens] int32 or int64, contiguous
-    num_tokens,
     page_size,
     num_slots,  # num_pages * page_size
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
@@ -146,30 +143,31 @@ def _append_kv_kernel(
     NEGATIVE_ZERO: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
-    # One row a (token, head) pair: BLOCK_T tokens x BLOCK_H heads, token-major.
-    rows = tl.arange(0, BLOCK_T * BLOCK_H)
-    token = tl.program_id(0).to(tl.int64) * BLOCK_T + rows // BLOCK_H
-    heads = tl.program_id(1) * BLOCK_H + rows % BLOCK_H
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
 
-    # (Past the last token: its slot read at the last token's, and nothing written.)
-    page, offset, in_cache = slot_place(
-        slot_mapping_ptr, tl.minimum(token, num_tokens - 1), page_size, num_slots
-    )
+    page, offset, in_cache = slot_place(slot_mapping_ptr, token, page_size, num_slots)
 
-    head_mask = (heads < NUM_KV_HEADS) & in_cache & (token < num_tokens)
+    head_mask = (heads < NUM_KV_HEADS) & in_cache
     mask = head_mask[:, None] & (dims < HEAD_DIM)[None, :]
     heads = heads.to(tl.int64)
 
     # -- where the rows come from and go to --
-    k_offsets = (token * stride_k_token + heads * stride_k_head)[:, None] + dims[None, :]
-    v_offsets = (token * stride_v_token + heads * stride_v_head)[:, None] + dims[None, :]
-    kc_offsets = (page * stride_kc_page + offset * stride_kc_slot + heads * stride_kc_head)[
-        :, None
-    ] + dims[None, :] * stride_kc_dim
-    vc_offsets = (page * stride_vc_page + offset * stride_vc_slot + heads * stride_vc_head)[
-        :, None
-    ] + dims[None, :] * stride_vc_dim
+    k_offsets = token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
+    v_offsets = token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
+    kc_offsets = (
+        page * stride_kc_page
+        + offset * stride_kc_slot
+        + heads[:, None] * stride_kc_head
+        + dims[None, :] * stride_kc_dim
+    )
+    vc_offsets = (
+        page * stride_vc_page
+        + offset * stride_vc_slot
+        + heads[:, None] * stride_vc_head
+        + dims[None, :] * stride_vc_dim
+    )
     ks_offsets = page * stride_ks_page + offset * stride_ks_slot + heads * stride_ks_head
     vs_offsets = page * stride_vs_page + offset * stride_vs_slot + heads * stride_vs_head
 
