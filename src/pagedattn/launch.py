@@ -694,6 +694,43 @@ class DirectLaunch:
         return found
 
 
+class DecodeLaunch:
+    """What both families' prepared decode launches (a decode kernel's ``launch`` and its
+    ``reduce`` step) share: called with a call's tensors, the step bound to their addresses
+    launches (:meth:`bind`), or, before the first call has compiled the kernel (or where this
+    Triton launches through its own path), Triton's JIT (the family's ``jit``)."""
+
+    __slots__ = ()
+    contiguous_q = False  # (whether the query goes to the kernel made contiguous first)
+
+    def bind(
+        self, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+        query_start_loc, trace,
+    ) -> BoundStep | None:  # fmt: skip
+        """The step's launches bound to these tensors' addresses (descriptors encoded), or
+        None where they launch only through Triton's JIT yet."""
+        direct = self.launch.direct
+        if direct is None or not self.reduce.bindable:
+            return None
+        args = self.slot_args(
+            direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+            query_start_loc, trace,
+        )  # fmt: skip
+        reduce = self.reduce.bind(plan, sinks, query_start_loc)
+        return BoundStep(SlotLaunch(direct, args), reduce, self.contiguous_q)
+
+    def __call__(
+        self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+        query_start_loc, out, lse, trace,
+    ) -> None:  # fmt: skip
+        fixed = (k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks)
+        bound = self.bind(*fixed, query_start_loc, trace)
+        if bound is not None:
+            bound(q, out, lse)
+        else:
+            self.jit(q, *fixed, query_start_loc, out, lse, trace)
+
+
 def current_stream() -> int:
     """The current device's current stream, raw, as the direct launches take it."""
     return _raw_stream(_current_device())

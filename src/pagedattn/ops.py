@@ -215,13 +215,17 @@ def _paged_decode_op(*args) -> tuple[torch.Tensor, torch.Tensor]:
     return _returning_lse(_decode, _named(_DECODE_PARAMS, args))
 
 
+def _fake_out_lse(arg: dict, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode op's fake ``(out, lse)``: ``out``, and the LSE (empty unless asked for)."""
+    q = arg["q"]
+    lse_shape = (q.shape[0], q.shape[1]) if arg["return_lse"] else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
 @_paged_decode_op.register_fake
 def _(*args):
     arg = _named(_DECODE_PARAMS, args)
-    q = arg["q"]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse_shape = (q.shape[0], q.shape[1]) if arg["return_lse"] else (0,)
-    return out, q.new_empty(lse_shape, dtype=torch.float32)
+    return _fake_out_lse(arg, torch.empty_like(arg["q"], memory_format=torch.contiguous_format))
 
 
 @_custom_op(
@@ -353,9 +357,7 @@ def _mla_decode_op(*args) -> tuple[torch.Tensor, torch.Tensor]:
 def _(*args):
     arg = _named(_MLA_PARAMS, args)
     q = arg["q"]
-    out = q.new_empty(q.shape[0], q.shape[1], arg["head_dim_v"])
-    lse_shape = (q.shape[0], q.shape[1]) if arg["return_lse"] else (0,)
-    return out, q.new_empty(lse_shape, dtype=torch.float32)
+    return _fake_out_lse(arg, q.new_empty(q.shape[0], q.shape[1], arg["head_dim_v"]))
 
 
 @_custom_op(

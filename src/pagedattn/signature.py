@@ -24,24 +24,25 @@ def tensor_sig(x) -> int | None:
     block table, lengths, scales). A tensor made in inference mode has no version counter and
     is read in full each time. ``None`` stays ``None``; anything else that is not a tensor
     raises ``AttributeError`` (see :func:`tensor_key`)."""
-    if x is None:
-        return None
-    seen = _SEEN.get(id(x))
-    if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == x.data_ptr():
-        return seen[3]
-    return _see(x)[3]
+    return _seen(x, 3)
 
 
 def tensor_sig_at(x) -> int | None:
     """:func:`tensor_sig` and the tensor's address as one small int (equal ints, equal keys
     at the same address; :func:`without_addresses` maps it back to :func:`tensor_sig`'s): what
     a call keys the arguments on that it passes to a kernel as fixed addresses."""
+    return _seen(x, 4)
+
+
+def _seen(x, field: int):
+    """``field`` of ``x``'s entry in ``_SEEN`` (3: its signature's int, 4: that at its
+    address), read again only where ``x`` changed since (or ``None`` for ``None``)."""
     if x is None:
         return None
     seen = _SEEN.get(id(x))
     if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == x.data_ptr():
-        return seen[4]
-    return _see(x)[4]
+        return seen[field]
+    return _see(x)[field]
 
 
 def _see(x) -> tuple:

@@ -21,7 +21,7 @@ from .._kernels.hopper.common import NUM_WARPS
 from .._kernels.hopper.kernel import gluon_decode_kernel
 from .._kernels.limits import HOPPER_HEAD_DIMS, HOPPER_TRANSPOSED_ROWS, LOG2E
 from ..checks import DecodeCall
-from ..launch import SLOT, BoundStep, SlotLaunch, cache_strides, decode_launch, scale_strides
+from ..launch import SLOT, DecodeLaunch, cache_strides, decode_launch, scale_strides
 from ..scope import hopper_shape_reason
 from .reduce import ReduceStep
 
@@ -435,7 +435,7 @@ def descriptor(cache, box: tuple):
     return desc
 
 
-class HopperStep:
+class HopperStep(DecodeLaunch):
     """The Hopper family's decode (and reducer) launch prepared for one call signature:
     constexprs, descriptor boxes, integer arguments and the compiled handle, made once from a
     checked, covered call; called with that signature's tensors. Tuning: ``stages`` K/V
@@ -518,21 +518,15 @@ class HopperStep:
         )  # fmt: skip
         self.reduce = ReduceStep(plan, out, lse, reduce_config)
 
-    def bind(
-        self, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+    def slot_args(
+        self, direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, trace,
-    ) -> BoundStep | None:  # fmt: skip
-        """The step's launches bound to these tensors' addresses (descriptors encoded), or
-        None before the first call has compiled the kernel (or where this Triton launches
-        through its own path)."""
-        direct = self.launch.direct
-        if direct is None or not self.reduce.bindable:
-            return None
+    ) -> tuple:  # fmt: skip
+        """The direct launch's arguments, ``SLOT`` for the query, the output and the LSE."""
         before, between, after = self._fixed(
             direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, trace
         )
-        decode = SlotLaunch(direct, (SLOT, *before, SLOT, *between, SLOT, *after))
-        return BoundStep(decode, self.reduce.bind(plan, sinks, query_start_loc), self.contiguous_q)
+        return (SLOT, *before, SLOT, *between, SLOT, *after)
 
     def _fixed(self, direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
                trace) -> tuple:  # fmt: skip
@@ -602,18 +596,11 @@ class HopperStep:
         """K's and V's descriptors for Triton's JIT."""
         return descriptor(k_cache, self.boxes[0]), descriptor(v_cache, self.boxes[1])
 
-    def __call__(
+    def jit(
         self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, out, lse, trace,
     ) -> None:  # fmt: skip
-        bound = self.bind(
-            k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
-            query_start_loc, trace,
-        )  # fmt: skip
-        if bound is not None:
-            bound(q, out, lse)
-            return
-        # Through Triton's JIT: the first call, or a Triton without direct launches.
+        """The launches through Triton's JIT."""
         if self.contiguous_q:
             q = q.contiguous()
         self.launch(

@@ -12,9 +12,8 @@ from .._kernels.limits import LOG2E
 from ..checks import FP8_DTYPES, DecodeCall, DecodeShape, cache_dims
 from ..launch import (
     SLOT,
-    BoundStep,
+    DecodeLaunch,
     DecodeLaunchConfig,
-    SlotLaunch,
     Target,
     cache_strides,
     decode_launch,
@@ -142,7 +141,7 @@ def default_config(
     )
 
 
-class PortableStep:
+class PortableStep(DecodeLaunch):
     """The portable family's decode (and reducer) launch prepared for one call signature:
     tiles, constexprs, integer arguments and compiled handles, made once from a checked call;
     called with that signature's tensors."""
@@ -294,36 +293,22 @@ class PortableStep:
             trace,
         )  # fmt: skip
 
-    def bind(
-        self, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
+    def slot_args(
+        self, direct, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, trace,
-    ) -> BoundStep | None:  # fmt: skip
-        """The step's launches bound to these tensors' addresses (descriptors encoded), or
-        None before the first call has compiled the kernel (or where this Triton launches
-        through its own path)."""
-        direct = self.launch.direct
-        if direct is None or not self.reduce.bindable:
-            return None
-        args = self._args(
+    ) -> tuple:  # fmt: skip
+        """The direct launch's arguments, ``SLOT`` for the query, the output and the LSE."""
+        return self._args(
             direct, SLOT, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
             seq_lens if sinks is None else sinks,  # (not read without sinks)
             query_start_loc, SLOT, SLOT, trace,
         )  # fmt: skip
-        reduce = self.reduce.bind(plan, sinks, query_start_loc)
-        return BoundStep(SlotLaunch(direct, args), reduce, False)
 
-    def __call__(
+    def jit(
         self, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
         query_start_loc, out, lse, trace,
     ) -> None:  # fmt: skip
-        bound = self.bind(
-            k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks,
-            query_start_loc, trace,
-        )  # fmt: skip
-        if bound is not None:
-            bound(q, out, lse)
-            return
-        # Through Triton's JIT: the first call, or a Triton without direct launches.
+        """The launches through Triton's JIT."""
         self.launch(
             *self._args(
                 None, q, k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale,
