@@ -428,6 +428,41 @@ def test_bound_launch_passes_what_the_first_call_passed(monkeypatch):
     assert len(decode._BOUND_STEPS) == 1
 
 
+@pytest.mark.parametrize("family", ["portable", "hopper"])
+def test_decode_launches_directly_while_its_reducer_does_not(family, monkeypatch):
+    """Where Triton gives the decode kernel a direct launch but not the reducer, the decode
+    kernel still gets a direct launch's arguments (descriptors encoded, as a bound call passes
+    them), and the reducer launches its own way."""
+    from pagedattn import backend
+
+    launched = _direct_launches(monkeypatch)
+    if family == "hopper":
+        monkeypatch.setitem(backend._hopper_reasons, torch.device(DEVICE), None)
+    shape = dataclasses.replace(SHAPE, num_q_heads=16, head_dim=128, page_size=128, query_len=1)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cache, q = shape.random_step([300, 17, 129], device=DEVICE, generator=gen)
+    out = torch.empty_like(q)
+    with backend.using_backend("gluon" if family == "hopper" else "triton"):
+        plan = shape.plan(cache.seq_lens, num_programs=8)
+        calls = []
+        for _ in range(2):  # Triton's JIT (stood in), then bound
+            launched.clear()
+            _decode(shape, cache, q, plan, out=out)
+            calls.append(list(launched))
+        (step,) = decode._DECODE_STEPS.values()
+        assert step.launch.reduce.launch is not None, "expected a plan that cuts sequences"
+        step.launch.reduce.launch.direct = None  # (the stand-in gives it one again when called)
+        launched.clear()
+        step.launch(
+            q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens, plan,
+            cache.k_scale, cache.v_scale, None, None, out, None, None,
+        )  # fmt: skip
+    bound_decode, bound_reduce = calls[1]
+    (kernel, got), (reducer, reduced) = launched
+    assert kernel is bound_decode[0] and _values(got) == _values(bound_decode[1])
+    assert reducer is bound_reduce[0] and _values(reduced) == _values(bound_reduce[1])
+
+
 @requires_gpu
 @pytest.mark.parametrize("backend_name", ["triton", "gluon"])
 def test_bound_launches_call_registered_launch_hooks(backend_name):

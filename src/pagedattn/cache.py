@@ -575,13 +575,13 @@ def append_kv(
             debug is False,
         )
         bound = _BOUND_APPENDS.get(key)
-        if bound is not None:
-            bound(current_stream(), k.data_ptr(), v.data_ptr())
-            return
-        step_key = without_addresses(key)
-        step = _APPEND_STEPS.get(step_key)
     except (AttributeError, TypeError):  # not a tensor, unhashable: full checks
-        key = step_key = step = None
+        key = bound = None
+    if bound is not None:
+        bound(current_stream(), k.data_ptr(), v.data_ptr())
+        return
+    step_key = None if key is None else without_addresses(key)
+    step = _APPEND_STEPS.get(step_key)
     if step is None:
         arguments = (k, v, k_cache, v_cache, slot_mapping, kv_layout, k_scale, v_scale, kv_scale)
         step = _append_step(*arguments, debug)

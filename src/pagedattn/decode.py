@@ -264,14 +264,17 @@ def paged_decode(
     if bound is not None:
         bound(q, out, lse)
     elif step.launch is not None:
+        # Bound to these addresses (once compiled), kept for the next call like this one.
         fixed = (k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks)
-        step.launch(q, *fixed, query_start_loc, out, lse, trace)
-        if key is not None:
-            # Bound to these addresses for the next call like this one (once compiled).
+        bound = step.launch.bind(*fixed, query_start_loc, trace)
+        if bound is not None:
+            bound(q, out, lse)
+        else:  # (the first call: Triton's JIT compiles)
+            step.launch(q, *fixed, query_start_loc, out, lse, trace)
             bound = step.launch.bind(*fixed, query_start_loc, trace)
-            if bound is not None:
-                bound.return_lse, bound.debug = step.return_lse, step.debug
-                remember(_BOUND_STEPS, key, bound, MAX_BOUND)
+        if key is not None and bound is not None:
+            bound.return_lse, bound.debug = step.return_lse, step.debug
+            remember(_BOUND_STEPS, key, bound, MAX_BOUND)
     if step.debug:
         _raise_faults(plan)
     return (out, lse) if step.return_lse else out

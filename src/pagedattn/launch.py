@@ -698,7 +698,8 @@ class DecodeLaunch:
     """What both families' prepared decode launches (a decode kernel's ``launch`` and its
     ``reduce`` step) share: called with a call's tensors, the step bound to their addresses
     launches (:meth:`bind`), or, before the first call has compiled the kernel (or where this
-    Triton launches through its own path), Triton's JIT (the family's ``jit``)."""
+    Triton launches through its own path), Triton's JIT (the family's ``jit``, which takes
+    Triton's JIT forms of the arguments)."""
 
     __slots__ = ()
     contiguous_q = False  # (whether the query goes to the kernel made contiguous first)
@@ -725,10 +726,20 @@ class DecodeLaunch:
     ) -> None:  # fmt: skip
         fixed = (k_cache, v_cache, block_table, seq_lens, plan, k_scale, v_scale, sinks)
         bound = self.bind(*fixed, query_start_loc, trace)
+        direct = self.launch.direct
         if bound is not None:
             bound(q, out, lse)
-        else:
+        elif direct is None:
             self.jit(q, *fixed, query_start_loc, out, lse, trace)
+        else:
+            # The decode kernel launches directly, the reducer not (where Triton gives it no
+            # direct launch): each its own way.
+            decode = SlotLaunch(direct, self.slot_args(direct, *fixed, query_start_loc, trace))
+            decode.hooked(
+                current_stream(), q.contiguous() if self.contiguous_q else q, out,
+                out if lse is None else lse,
+            )  # fmt: skip
+            self.reduce(plan, out, lse, sinks, query_start_loc)
 
 
 def current_stream() -> int:

@@ -162,7 +162,8 @@ def plan_decode(
         )  # fmt: skip
     try:
         # The fast path: a call like an earlier one (the same tensor shapes, strides, dtypes,
-        # devices and alignment, and the same options) reuses its checked, prepared launch.
+        # devices and alignment, and the same options) reuses its checked, prepared launch; one
+        # refilling the same plan from the same lengths, that launch bound to their addresses.
         scalars = (
             num_q_heads, num_kv_heads, head_dim, page_size, query_len, num_programs,
             partition_size, max_seq_len, batch_invariant,
@@ -179,16 +180,14 @@ def plan_decode(
             preferred_family(),
             None if max_seq_len is None else (user_table_path(), cache_generation()),
         )
-        if reuse is not None:
-            # A plan refilled in place: its launch bound to these addresses, if made.
-            bound = _BOUND_PLANS.get(key)
-            if bound is not None:
-                bound(current_stream())
-                return reuse
-        step_key = without_addresses(key)
-        step = _PLAN_STEPS.get(step_key)
+        bound = None if reuse is None else _BOUND_PLANS.get(key)
     except (AttributeError, TypeError):  # not a tensor, not a plan, unhashable: full checks
-        key = step_key = step = None
+        key = bound = None
+    if bound is not None:
+        bound(current_stream())
+        return reuse
+    step_key = None if key is None else without_addresses(key)
+    step = _PLAN_STEPS.get(step_key)
     if step is None:
         step = _plan_step(
             seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, query_len, kv_dtype,

@@ -13,7 +13,6 @@ from ..launch import (
     BoundLaunch,
     ReduceLaunchConfig,
     SlotLaunch,
-    current_stream,
     device_target,
     invariant_reduce_config,
     pdl_enabled,
@@ -104,11 +103,6 @@ class ReduceStep:
     def __call__(self, plan, out, lse, sinks, query_start_loc) -> None:
         launch = self.launch
         if launch is None:
-            return
-        if launch.direct is not None:
-            self.bind(plan, sinks, query_start_loc).hooked(
-                current_stream(), out, out if lse is None else lse
-            )
             return
         # (The LSE is never written without WRITE_LSE.)
         launch(*self._args(plan, out, out if lse is None else lse, sinks, query_start_loc))
