@@ -234,16 +234,23 @@ fi
 
 if [[ $MODE == host || $MODE == all || $MODE == profile ]]; then
   # Wall time of each eager call (paged_decode, plan_decode reuse=, append_kv), warm path,
-  # beside FlashInfer's and XQA's calls and a bare launch, with where each call's time goes;
-  # HOST_BASE=DIR: also with the sources in DIR (a checkout's src/), in the same run.
-  timeout "${HOST_SECONDS:-240}" python3 scripts/host_overhead.py --peers --profile \
-    >"$RESULTS/host.txt" 2>&1
-  summary+=("host: $(grep -E '^[a-z_.0-9]+: ' "$RESULTS/host.txt" | tr '\n' ' ')")
-  if [[ -n ${HOST_BASE:-} ]]; then
-    PYTHONPATH=$PWD/$HOST_BASE/src:${PYTHONPATH#*:} timeout "${HOST_SECONDS:-240}" \
-      python3 scripts/host_overhead.py --peers --profile >"$RESULTS/host_base.txt" 2>&1
-    summary+=("host ($HOST_BASE): $(grep -E '^[a-z_.0-9]+: ' "$RESULTS/host_base.txt" |
-      tr '\n' ' ')")
+  # beside FlashInfer's and XQA's calls and a bare launch, with each call's launches and the
+  # rest timed apart; HOST_BASE=DIR: also with the sources in DIR (a checkout's src/), in the
+  # same run, alternating HOST_ROUNDS times (the host's speed drifts between processes).
+  for round in $(seq 1 "${HOST_ROUNDS:-1}"); do
+    timeout "${HOST_SECONDS:-240}" python3 scripts/host_overhead.py --peers --parts \
+      >"$RESULTS/host_$round.txt" 2>&1
+    summary+=("host $round: $(grep -E '^[a-z_.0-9()]+: ' "$RESULTS/host_$round.txt" | tr '\n' ' ')")
+    if [[ -n ${HOST_BASE:-} ]]; then
+      PYTHONPATH=$PWD/$HOST_BASE/src:${PYTHONPATH#*:} timeout "${HOST_SECONDS:-240}" \
+        python3 scripts/host_overhead.py --peers >"$RESULTS/host_base_$round.txt" 2>&1
+      summary+=("host $round ($HOST_BASE): $(grep -E '^[a-z_.0-9]+: ' \
+        "$RESULTS/host_base_$round.txt" | tr '\n' ' ')")
+    fi
+  done
+  if [[ $MODE == profile ]]; then
+    timeout "${HOST_SECONDS:-240}" python3 scripts/host_overhead.py --profile \
+      >"$RESULTS/host_profile.txt" 2>&1
   fi
 fi
 

@@ -19,6 +19,10 @@ scale (``paged_decode``) and a bf16 cache (``paged_decode_bf16``):
 - ``launch_floor``: one launch of a trivial compiled kernel through the launch every call
   above uses (``pagedattn.launch.BoundLaunch``); ``triton_compiled_handle``: the same kernel
   through Triton's own compiled handle (``compiled[grid](...)``); ``torch.empty``;
+- with ``--parts``: ``NAME.launches``, the bound launches of ``paged_decode``,
+  ``paged_decode_bf16``, ``plan_decode_reuse`` and ``append_kv`` alone (``.decode_launch``: the
+  decode kernel's alone), ``NAME.without_launches``, the call with those launches as no-ops,
+  and ``torch.empty_like(q)`` (the output's allocation);
 - with ``--peers`` (FlashInfer installed): ``flashinfer_decode_run`` (its decode wrapper's
   ``run()`` on the same step: FP8 per-tensor, and ``_bf16``), ``flashinfer_append``
   (``append_paged_kv_cache`` into the bf16 cache), ``xqa_decode`` (XQA through FlashInfer,
@@ -53,6 +57,10 @@ def parse_args(argv=None):
     parser.add_argument("--samples", type=int, default=2000, help="calls timed per entry")
     parser.add_argument("--peers", action="store_true", help="FlashInfer's and XQA's calls too")
     parser.add_argument("--profile", action="store_true", help="where each call's time goes")
+    parser.add_argument(
+        "--parts", action="store_true",
+        help="each call's launches alone, and the call with its launches as no-ops",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -66,8 +74,9 @@ def stand_in_launches(hopper: bool) -> None:
     from pagedattn import backend
     from pagedattn.launch import BoundLaunch, DirectLaunch
 
-    def noop(*args):
-        return None
+    # A C function that takes any arguments and does nothing with them, as Triton's launcher is
+    # C: what is timed is the Python of a call up to the launcher's entry.
+    noop = "".format
 
     def call(self, *args):
         if self.direct is not None:
@@ -210,6 +219,63 @@ def time_calls(calls: dict, samples: int, sync) -> None:
         print(f"{name}: {statistics.median(times) / 1000:.1f} us", flush=True)
 
 
+def part_calls(calls: dict) -> dict:
+    """Each call's bound launches alone (as the call makes them, on its arguments), and the
+    call with them as no-ops (``(call, the launch class patched out)``): where a warm call's
+    time goes, launch and Python apart."""
+    import torch
+
+    from pagedattn.launch import BoundStep, SlotLaunch, current_stream
+
+    parts = {}
+    for name, kind in (
+        ("paged_decode", BoundStep), ("paged_decode_bf16", BoundStep),
+        ("plan_decode_reuse", SlotLaunch), ("append_kv", SlotLaunch),
+    ):  # fmt: skip
+        seen = []
+        real = kind.__call__
+        kind.__call__ = lambda self, *args, seen=seen: seen.append((self, args))
+        try:
+            calls[name]()
+        finally:
+            kind.__call__ = real
+        (bound, args), *_ = seen
+        parts[name + ".launches"] = lambda bound=bound, args=args: bound(*args)
+        parts[name + ".without_launches"] = (calls[name], kind)
+        if kind is BoundStep:
+            # The decode kernel's launch alone, as BoundStep makes it (no hook registered).
+            q, out, _ = args
+            grid, p0, p1, p2, p3 = bound.decode.parts
+            at = (current_stream(), q.data_ptr(), out.data_ptr())
+
+            def decode_launch(launcher=bound.decode.launcher, parts=(grid, p0, p1, p2, p3), at=at):
+                grid, p0, p1, p2, p3 = parts
+                stream, q_at, out_at = at
+                launcher(*grid, stream, *p0, q_at, *p1, out_at, *p2, out_at, *p3)
+
+            parts[name + ".decode_launch"] = decode_launch
+            parts["torch.empty_like(q)"] = lambda q=q: torch.empty_like(
+                q, memory_format=torch.contiguous_format
+            )
+    return parts
+
+
+def time_parts(parts: dict, samples: int, sync) -> None:
+    """:func:`time_calls` of :func:`part_calls`'s entries, each ``(call, class)`` one with that
+    class's launches as no-ops while it runs."""
+    for name, entry in parts.items():
+        if not isinstance(entry, tuple):
+            time_calls({name: entry}, samples, sync)
+            continue
+        call, kind = entry
+        real = kind.__call__
+        kind.__call__ = lambda self, *args: None
+        try:
+            time_calls({name: call}, samples, sync)
+        finally:
+            kind.__call__ = real
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.cpu:
@@ -236,6 +302,8 @@ def main(argv=None) -> None:
         if args.peers:
             calls.update(peer_calls(device, gen))
         time_calls(calls, args.samples, sync)
+        if args.parts:
+            time_parts(part_calls(calls), args.samples, sync)
         if args.cpu:
             from pagedattn.decode import _DECODE_STEPS
 

@@ -785,7 +785,10 @@ class SlotLaunch:
     def __call__(self, stream: int, *values) -> None:
         """The launch on ``stream`` with ``values`` in its slots (none or two; a decode step
         launches its three inline, :class:`BoundStep`)."""
-        if not hooks_quiet():
+        # (hooks_quiet, inline: a call of it costs about as much as the rest.)
+        enter = _RUNTIME_KNOBS.launch_enter_hook
+        exit_hook = _RUNTIME_KNOBS.launch_exit_hook
+        if getattr(enter, "calls", True) or getattr(exit_hook, "calls", True):
             self.hooked(stream, *values)
         elif values:
             a, b = values
@@ -807,13 +810,14 @@ class BoundStep:
     None where the plan cuts no sequence). Called with the query, the output and the LSE
     (None: not written), all checked by the caller."""
 
-    __slots__ = ("contiguous_q", "debug", "decode", "reduce", "return_lse")
+    __slots__ = ("contiguous_q", "debug", "decode", "plain", "reduce", "return_lse")
 
     def __init__(self, decode: SlotLaunch, reduce: SlotLaunch | None, contiguous_q: bool):
         self.decode = decode
         self.reduce = reduce
         self.contiguous_q = contiguous_q
-        self.return_lse = self.debug = False  # (the caller's)
+        # (The caller's: whether its calls return the LSE, read faults back, or neither.)
+        self.return_lse = self.debug = self.plain = False
 
     def __call__(self, q, out, lse) -> None:
         if self.contiguous_q:
