@@ -16,9 +16,12 @@ scale (``paged_decode``) and a bf16 cache (``paged_decode_bf16``):
 - ``append_kv``: one new token a sequence into the FP8 cache (per-tensor scale),
   ``append_kv_bf16`` into the bf16 one, ``append_kv_token`` into an FP8 cache with per-token
   scales;
-- ``launch_floor``: one launch of a trivial compiled kernel through the launch every call
-  above uses (``pagedattn.launch.BoundLaunch``); ``triton_compiled_handle``: the same kernel
-  through Triton's own compiled handle (``compiled[grid](...)``); ``torch.empty``;
+- ``launch_floor``: one launch of a trivial compiled kernel bound as every warm call above
+  binds its launches (``pagedattn.launch.SlotLaunch``: arguments packed once, the stream
+  read per call); ``launch_floor_unbound``: the same kernel through
+  ``pagedattn.launch.BoundLaunch`` (its arguments assembled per call, as a first call's);
+  ``triton_compiled_handle``: the same kernel through Triton's own compiled handle
+  (``compiled[grid](...)``); ``torch.empty``;
 - with ``--parts``: ``NAME.launches``, the bound launches of ``paged_decode``,
   ``paged_decode_bf16``, ``plan_decode_reuse`` and ``append_kv`` alone (``.decode_launch``: the
   decode kernel's alone), ``NAME.without_launches``, the call with those launches as no-ops,
@@ -146,13 +149,13 @@ def pagedattn_calls(device, gen) -> dict:
 
 
 def floor_calls(device) -> dict:
-    """One bare launch of a trivial kernel: through BoundLaunch, and through Triton's own
-    compiled handle."""
+    """One bare launch of a trivial kernel: bound (SlotLaunch), through BoundLaunch, and through
+    Triton's own compiled handle."""
     import torch
     import triton
     import triton.language as tl
 
-    from pagedattn.launch import BoundLaunch
+    from pagedattn.launch import BoundLaunch, SlotLaunch, current_stream
 
     @triton.jit
     def floor_kernel(x_ptr, n):
@@ -160,10 +163,14 @@ def floor_calls(device) -> dict:
             tl.store(x_ptr, n)
 
     x = torch.zeros(1, dtype=torch.int32, device=device)
-    bound = BoundLaunch(floor_kernel, (1,), num_warps=1)
+    launch = BoundLaunch(floor_kernel, (1,), num_warps=1)
+    launch(x, 0)  # (compiles: a direct launch from now on)
+    # Bound as the calls bind theirs: arguments packed once, a stream per call.
+    bound = SlotLaunch(launch.direct, (x, 0))
     compiled = floor_kernel[(1,)](x, 0, num_warps=1)
     return {
-        "launch_floor": lambda: bound(x, 0),
+        "launch_floor": lambda: bound(current_stream()),
+        "launch_floor_unbound": lambda: launch(x, 0),
         "triton_compiled_handle": lambda: compiled[(1, 1, 1)](x, 0),
     }
 
@@ -246,12 +253,12 @@ def part_calls(calls: dict) -> dict:
             # The decode kernel's launch alone, as BoundStep makes it (no hook registered).
             q, out, _ = args
             grid, p0, p1, p2, p3 = bound.decode.parts
-            at = (current_stream(), q.data_ptr(), out.data_ptr())
+            at = (q.data_ptr(), out.data_ptr())
 
             def decode_launch(launcher=bound.decode.launcher, parts=(grid, p0, p1, p2, p3), at=at):
                 grid, p0, p1, p2, p3 = parts
-                stream, q_at, out_at = at
-                launcher(*grid, stream, *p0, q_at, *p1, out_at, *p2, out_at, *p3)
+                q_at, out_at = at
+                launcher(*grid, current_stream(), *p0, q_at, *p1, out_at, *p2, out_at, *p3)
 
             parts[name + ".decode_launch"] = decode_launch
             parts["torch.empty_like(q)"] = lambda q=q: torch.empty_like(
