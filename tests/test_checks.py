@@ -87,6 +87,11 @@ def _esc(text: str) -> str:
     return re.escape(text)
 
 
+def _by_id(cases) -> list:
+    """``parametrize`` values of a table whose rows start with their id."""
+    return [pytest.param(*case[1:], id=case[0]) for case in cases]
+
+
 # --------------------------------------------------------------------------------------------
 # plan_decode
 # --------------------------------------------------------------------------------------------
@@ -327,10 +332,7 @@ PLAN_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("seq_lens", "overrides", "exc", "pattern"),
-    [pytest.param(*case[1:], id=case[0]) for case in PLAN_CASES],
-)
+@pytest.mark.parametrize(("seq_lens", "overrides", "exc", "pattern"), _by_id(PLAN_CASES))
 def test_plan_decode_rejects(seq_lens, overrides, exc, pattern):
     if isinstance(seq_lens, torch.Tensor):
         seq_lens = seq_lens.to(DEVICE)
@@ -441,6 +443,12 @@ def _bad_out_stride(a):
     return {"out": out}
 
 
+def _keyword(case_id: str, name: str, value, exc, pattern: str) -> tuple:
+    """A case that passes keyword ``name`` the bad ``value``, the other arguments valid; the
+    message names ``name``, then matches ``pattern``."""
+    return (case_id, {}, lambda a: {name: value}, exc, rf"{name}: {pattern}")
+
+
 # (id, input options, change to the valid arguments, error type, message pattern)
 DECODE_CASES = [
     (
@@ -464,13 +472,7 @@ DECODE_CASES = [
         TypeError,
         r"q: expected dtype in \(bfloat16, float16\), got torch\.float32",
     ),
-    (
-        "q_not_tensor",
-        {},
-        lambda a: {"q": [1.0]},
-        TypeError,
-        r"q: expected a torch\.Tensor, got list",
-    ),
+    _keyword("q_not_tensor", "q", [1.0], TypeError, r"expected a torch\.Tensor, got list"),
     (
         "q_rows_not_multiple_of_batch",
         {},
@@ -515,12 +517,8 @@ DECODE_CASES = [
         ValueError,
         r"q: expected query_len \* \(num_q_heads // num_kv_heads\) <= 128, got 65 \* 2 = 130",
     ),
-    (
-        "k_cache_not_tensor",
-        {},
-        lambda a: {"k_cache": None},
-        TypeError,
-        r"k_cache: expected a torch\.Tensor, got NoneType",
+    _keyword(
+        "k_cache_not_tensor", "k_cache", None, TypeError, r"expected a torch\.Tensor, got NoneType"
     ),
     (
         "k_cache_rank_3",
@@ -621,19 +619,11 @@ DECODE_CASES = [
         TypeError,
         r"seq_lens: expected dtype in \(int32\), got torch\.int64",
     ),
-    (
-        "kv_layout_invalid",
-        {},
-        lambda a: {"kv_layout": "NDH"},
-        ValueError,
-        r"kv_layout: expected 'NHD' or 'HND', got 'NDH'",
+    _keyword(
+        "kv_layout_invalid", "kv_layout", "NDH", ValueError, r"expected 'NHD' or 'HND', got 'NDH'"
     ),
-    (
-        "kv_layout_lowercase",
-        {},
-        lambda a: {"kv_layout": "nhd"},
-        ValueError,
-        r"kv_layout: expected 'NHD' or 'HND', got 'nhd'",
+    _keyword(
+        "kv_layout_lowercase", "kv_layout", "nhd", ValueError, r"expected 'NHD' or 'HND', got 'nhd'"
     ),
     (
         "fp8_without_scales",
@@ -713,82 +703,24 @@ DECODE_CASES = [
         TypeError,
         r"v_scale: expected dtype in \(float32\), got torch\.float64",
     ),
-    (
-        "sm_scale_0",
-        {},
-        lambda a: {"sm_scale": 0.0},
-        ValueError,
-        r"sm_scale: expected a finite float > 0, got 0\.0",
+    _keyword("sm_scale_0", "sm_scale", 0.0, ValueError, r"expected a finite float > 0, got 0\.0"),
+    _keyword(
+        "sm_scale_neg", "sm_scale", -0.125, ValueError, r"expected a finite float > 0, got -0\.125"
     ),
-    (
-        "sm_scale_neg",
-        {},
-        lambda a: {"sm_scale": -0.125},
-        ValueError,
-        r"sm_scale: expected a finite float > 0, got -0\.125",
+    _keyword(
+        "sm_scale_nan", "sm_scale", math.nan, ValueError, r"expected a finite float > 0, got nan"
     ),
-    (
-        "sm_scale_nan",
-        {},
-        lambda a: {"sm_scale": float("nan")},
-        ValueError,
-        r"sm_scale: expected a finite float > 0, got nan",
+    _keyword(
+        "sm_scale_inf", "sm_scale", math.inf, ValueError, r"expected a finite float > 0, got inf"
     ),
-    (
-        "sm_scale_inf",
-        {},
-        lambda a: {"sm_scale": float("inf")},
-        ValueError,
-        r"sm_scale: expected a finite float > 0, got inf",
-    ),
-    (
-        "sm_scale_str",
-        {},
-        lambda a: {"sm_scale": "0.125"},
-        TypeError,
-        r"sm_scale: expected a float, got str",
-    ),
-    (
-        "sm_scale_bool",
-        {},
-        lambda a: {"sm_scale": True},
-        TypeError,
-        r"sm_scale: expected a float, got bool",
-    ),
-    (
-        "return_lse_not_bool",
-        {},
-        lambda a: {"return_lse": 1},
-        TypeError,
-        r"return_lse: expected a bool, got int",
-    ),
-    (
-        "debug_not_bool",
-        {},
-        lambda a: {"debug": "yes"},
-        TypeError,
-        r"debug: expected a bool, got str",
-    ),
-    (
-        "exact_qk_not_bool",
-        {},
-        lambda a: {"exact_qk": None},
-        TypeError,
-        r"exact_qk: expected a bool, got NoneType",
-    ),
-    (
-        "sliding_window_0",
-        {},
-        lambda a: {"sliding_window": 0},
-        ValueError,
-        r"sliding_window: expected an int >= 1, got 0",
-    ),
-    (
-        "sliding_window_float",
-        {},
-        lambda a: {"sliding_window": 4.0},
-        TypeError,
-        r"sliding_window: expected an int, got float",
+    _keyword("sm_scale_str", "sm_scale", "0.125", TypeError, r"expected a float, got str"),
+    _keyword("sm_scale_bool", "sm_scale", True, TypeError, r"expected a float, got bool"),
+    _keyword("return_lse_not_bool", "return_lse", 1, TypeError, r"expected a bool, got int"),
+    _keyword("debug_not_bool", "debug", "yes", TypeError, r"expected a bool, got str"),
+    _keyword("exact_qk_not_bool", "exact_qk", None, TypeError, r"expected a bool, got NoneType"),
+    _keyword("sliding_window_0", "sliding_window", 0, ValueError, r"expected an int >= 1, got 0"),
+    _keyword(
+        "sliding_window_float", "sliding_window", 4.0, TypeError, r"expected an int, got float"
     ),
     (
         "out_shape",
@@ -804,13 +736,7 @@ DECODE_CASES = [
         TypeError,
         r"out: expected dtype torch\.bfloat16 \(q's\) or float32, got torch\.float16",
     ),
-    (
-        "out_not_tensor",
-        {},
-        lambda a: {"out": [0.0]},
-        TypeError,
-        r"out: expected a torch\.Tensor, got list",
-    ),
+    _keyword("out_not_tensor", "out", [0.0], TypeError, r"expected a torch\.Tensor, got list"),
     (
         "out_last_stride",
         {},
@@ -843,10 +769,7 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("options", "change", "exc", "pattern"),
-    [pytest.param(*case[1:], id=case[0]) for case in DECODE_CASES],
-)
+@pytest.mark.parametrize(("options", "change", "exc", "pattern"), _by_id(DECODE_CASES))
 def test_paged_decode_rejects(options, change, exc, pattern):
     args = _inputs(**options)
     with pytest.raises(exc, match=pattern):
@@ -892,10 +815,7 @@ PLAN_MISMATCH_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("plan_overrides", "options", "pattern"),
-    [pytest.param(*case[1:], id=case[0]) for case in PLAN_MISMATCH_CASES],
-)
+@pytest.mark.parametrize(("plan_overrides", "options", "pattern"), _by_id(PLAN_MISMATCH_CASES))
 def test_paged_decode_rejects_plan_for_other_step(plan_overrides, options, pattern):
     args = _inputs(**options)
     lens = (5, 12, 7) if not plan_overrides else LENS  # the "batch" case: a plan for 3 sequences

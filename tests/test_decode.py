@@ -55,65 +55,58 @@ class Case(StepShape):
     launch: DecodeLaunchConfig | None = None
 
 
-def _tiles16(**fields) -> DecodeLaunchConfig:
+def tiles16(**fields) -> DecodeLaunchConfig:
     """A launch with 16-token tiles (a tile per 16-token page), 4 warps and 2 stages."""
     return DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, **fields)
+
+
+def _fp8_case(lens, kv_scale, **fields) -> Case:
+    """A case over an FP8 (e4m3fn) cache with ``kv_scale``."""
+    return Case(lens, kv_dtype=FP8, kv_scale=kv_scale, **fields)
 
 
 CASES = {
     "bf16-nhd": Case((37, 5, 64)),
     "fp16-hnd": Case((20, 33), kv_dtype=torch.float16, q_dtype=torch.float16, kv_layout="HND"),
-    "fp8-tensor": Case((50, 17, 1), kv_dtype=FP8, kv_scale="per_tensor"),
-    "fp8-token": Case((50, 17, 1), kv_dtype=FP8, kv_scale="per_token"),
-    "fp8-token-hnd-fp16q": Case(
-        (40, 9), kv_dtype=FP8, kv_scale="per_token", q_dtype=torch.float16, kv_layout="HND"
-    ),
-    "fp8-tensor-hnd-combined": Case(
-        (30, 31), kv_dtype=FP8, kv_scale="per_tensor", kv_layout="HND", kv_combined=True
-    ),
+    "fp8-tensor": _fp8_case((50, 17, 1), "per_tensor"),
+    "fp8-token": _fp8_case((50, 17, 1), "per_token"),
+    "fp8-token-hnd-fp16q": _fp8_case((40, 9), "per_token", q_dtype=torch.float16, kv_layout="HND"),
+    "fp8-tensor-hnd-combined": _fp8_case((30, 31), "per_tensor", kv_layout="HND", kv_combined=True),
     "bf16-combined-out-f32": Case((45, 2), kv_combined=True, out_dtype=torch.float32),
-    "fp8-out-f32": Case((45,), kv_dtype=FP8, kv_scale="per_token", out_dtype=torch.float32),
+    "fp8-out-f32": _fp8_case((45,), "per_token", out_dtype=torch.float32),
     "page1": Case((7, 19), page_size=1),
-    "page2-fp8": Case((9, 4), page_size=2, kv_dtype=FP8, kv_scale="per_tensor"),
+    "page2-fp8": _fp8_case((9, 4), "per_tensor", page_size=2),
     "page64-exact-boundary": Case((64, 128), page_size=64, partition_size=64),
     "page4096": Case((70, 3), page_size=4096),
     "head-dim-128": Case((33, 12), head_dim=128),
-    "head-dim-256-fp8": Case((33, 12), head_dim=256, kv_dtype=FP8, kv_scale="per_token"),
+    "head-dim-256-fp8": _fp8_case((33, 12), "per_token", head_dim=256),
     "mha": Case((21, 30), num_q_heads=3, num_kv_heads=3, num_programs=6),
     "gqa2-kv2": Case((21, 30), num_q_heads=4, num_kv_heads=2),
-    "gqa16": Case((40, 3), num_q_heads=16, kv_dtype=FP8, kv_scale="per_tensor"),
+    "gqa16": _fp8_case((40, 3), "per_tensor", num_q_heads=16),
     "mqa-8": Case((25,), num_q_heads=8),
     "qlen2-causal": Case((24, 3), query_len=2),
-    "qlen4-fp8-token": Case(
-        (40, 4), query_len=4, num_q_heads=16, kv_dtype=FP8, kv_scale="per_token"
-    ),
+    "qlen4-fp8-token": _fp8_case((40, 4), "per_token", query_len=4, num_q_heads=16),
     "qlen8-group16": Case((50, 8), query_len=8, num_q_heads=16),
-    "qlen2-group16-fp8-token": Case(
-        (50, 9), query_len=2, num_q_heads=16, kv_dtype=FP8, kv_scale="per_token"
-    ),
-    "tail-pipelined-fp8-tensor": Case(
+    "qlen2-group16-fp8-token": _fp8_case((50, 9), "per_token", query_len=2, num_q_heads=16),
+    "tail-pipelined-fp8-tensor": _fp8_case(
         (50, 17, 3),
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
+        "per_tensor",
         launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, tail_stages=2),
     ),
     "qlen3-seq-eq-qlen": Case((3, 3, 20), query_len=3),
     "window": Case((60, 9), window=10),
-    "window1-qlen3": Case((40, 5), window=1, query_len=3, kv_dtype=FP8, kv_scale="per_token"),
+    "window1-qlen3": _fp8_case((40, 5), "per_token", window=1, query_len=3),
     "window-gt-seq": Case((30,), window=1000),
     "sm-scale": Case((25, 7), sm_scale=0.3),
     "no-lse": Case((25, 7), lse=False),
     "one-program": Case((33, 12, 70), num_programs=1),
-    "many-programs-split": Case(
-        (200, 3), num_programs=12, query_len=2, kv_dtype=FP8, kv_scale="per_tensor"
-    ),
-    "one-sequence-13-splits": Case((700,), num_programs=13, kv_dtype=FP8, kv_scale="per_token"),
+    "many-programs-split": _fp8_case((200, 3), "per_tensor", num_programs=12, query_len=2),
+    "one-sequence-13-splits": _fp8_case((700,), "per_token", num_programs=13),
     "default-grid": Case((40, 90), num_programs=None, partition_size=None),
     "one-token": Case((1,)),
-    "gather-path-fp8-token": Case(
+    "gather-path-fp8-token": _fp8_case(
         (70, 5),
-        kv_dtype=FP8,
-        kv_scale="per_token",
+        "per_token",
         query_len=2,
         launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, tma=False),
     ),
@@ -124,57 +117,42 @@ CASES = {
         partition_size=64,
         launch=DecodeLaunchConfig(block_n=64, num_warps=4, num_stages=2, tma=False),
     ),
-    "masked-loop-bf16-qk-fp8": Case(
-        (90, 33),
-        query_len=3,
-        kv_dtype=FP8,
-        kv_scale="per_token",
-        launch=_tiles16(unmasked_loop=False, qk_fp16=False),
+    "masked-loop-bf16-qk-fp8": _fp8_case(
+        (90, 33), "per_token", query_len=3, launch=tiles16(unmasked_loop=False, qk_fp16=False)
     ),
     # Q K^T on e4m3 tensor cores (the query as two e4m3 terms); q_len 4 x 16 heads = 64 rows,
     # the warpgroup tile where the compiled code uses FP8 wgmma.
-    "qk-fp8-tensor-qlen4": Case(
+    "qk-fp8-tensor-qlen4": _fp8_case(
         (90, 33),
+        "per_tensor",
         query_len=4,
         num_q_heads=16,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
         out_dtype=torch.float32,
         launch=DecodeLaunchConfig(block_n=32, num_warps=4, num_stages=2, qk_fp8=True),
     ),
-    "qk-fp8-token-chunk32-window": Case(
+    "qk-fp8-token-chunk32-window": _fp8_case(
         (70, 20),
+        "per_token",
         query_len=2,
         num_q_heads=8,
-        kv_dtype=FP8,
-        kv_scale="per_token",
         window=25,
-        launch=_tiles16(qk_fp8=True, head_chunk=32),
+        launch=tiles16(qk_fp8=True, head_chunk=32),
     ),
-    "qk-fp8-four-chunks-hnd": Case(
+    "qk-fp8-four-chunks-hnd": _fp8_case(
         (50, 17),
+        "per_tensor",
         query_len=4,
         num_q_heads=16,
         head_dim=128,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
         kv_layout="HND",
         out_dtype=torch.float32,
-        launch=_tiles16(qk_fp8=True, head_chunk=32),
+        launch=tiles16(qk_fp8=True, head_chunk=32),
     ),
-    "chunk16-fp8-token-qlen3": Case(
-        (90, 33, 3),
-        query_len=3,
-        kv_dtype=FP8,
-        kv_scale="per_token",
-        launch=_tiles16(head_chunk=16),
+    "chunk16-fp8-token-qlen3": _fp8_case(
+        (90, 33, 3), "per_token", query_len=3, launch=tiles16(head_chunk=16)
     ),
-    "chunk16-fp8-tensor-window-gather": Case(
-        (70, 20),
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-        window=9,
-        launch=_tiles16(tma=False, head_chunk=16),
+    "chunk16-fp8-tensor-window-gather": _fp8_case(
+        (70, 20), "per_tensor", window=9, launch=tiles16(tma=False, head_chunk=16)
     ),
     "one-chunk-bf16-gqa16-split": Case(
         (200, 7),
@@ -186,14 +164,13 @@ CASES = {
     ),
     # Reducer tiles smaller than the merge: 3 row blocks (the last part masked), 4 column
     # blocks, 2 partials per pipelined step, 11 partials for the long sequence.
-    "reduce-small-tiles-qlen3-group3": Case(
+    "reduce-small-tiles-qlen3-group3": _fp8_case(
         (700, 90),
+        "per_tensor",
         num_q_heads=3,
         query_len=3,
         num_programs=13,
-        kv_dtype=FP8,
-        kv_scale="per_tensor",
-        launch=_tiles16(
+        launch=tiles16(
             reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, num_stages=3)
         ),
     ),
@@ -202,27 +179,26 @@ CASES = {
     "reduce-wide-tile-gqa4": Case(
         (700, 90, 3),
         num_programs=13,
-        launch=_tiles16(reduce=ReduceLaunchConfig(block_r=4, block_d=64, slot_block=1)),
+        launch=tiles16(reduce=ReduceLaunchConfig(block_r=4, block_d=64, slot_block=1)),
     ),
     # Runs of a record's partials merged by programs of their own, then merged by the last
     # to finish: one sequence of 13 partials in 4 runs of 4, 4, 4 and 1.
     "reduce-runs-one-sequence": Case(
         (900,),
         num_programs=13,
-        launch=_tiles16(reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, groups=4)),
+        launch=tiles16(reduce=ReduceLaunchConfig(block_r=4, block_d=16, slot_block=2, groups=4)),
     ),
     # Runs of 4 partials over records of 2 kv heads and 2 query rows a head (rows padded to
     # 16), per-token FP8, without the LSE; the short sequence's records merged whole.
-    "reduce-runs-kv-heads-qlen2": Case(
+    "reduce-runs-kv-heads-qlen2": _fp8_case(
         (900, 35, 100),
+        "per_token",
         num_q_heads=8,
         num_kv_heads=2,
         query_len=2,
         num_programs=28,
-        kv_dtype=FP8,
-        kv_scale="per_token",
         lse=False,
-        launch=_tiles16(reduce=ReduceLaunchConfig(block_r=16, block_d=16, slot_block=1, groups=4)),
+        launch=tiles16(reduce=ReduceLaunchConfig(block_r=16, block_d=16, slot_block=1, groups=4)),
     ),
     "block-n-128-page16": Case(
         (300, 40),
@@ -326,16 +302,11 @@ def test_reduce_runs_leave_counts_at_zero(gen):
 
 
 def _small_fp8_cache(lens, kv_scale, gen):
-    """An FP8 cache of one kv head, head_dim 64, page 16 (lengths scaled up on the GPU)."""
+    """An FP8 cache of a ``Case``'s default sizes: one kv head, head_dim 64, page 16 (lengths
+    scaled up on the GPU)."""
+    sizes = _fp8_case(lens, kv_scale).cache_sizes()
     return pagedattn.build_paged_cache(
-        [n * (40 if ON_GPU else 1) for n in lens],
-        num_kv_heads=1,
-        head_dim=64,
-        page_size=16,
-        kv_dtype=FP8,
-        kv_scale=kv_scale,
-        device=DEVICE,
-        generator=gen,
+        [n * (40 if ON_GPU else 1) for n in lens], **sizes, device=DEVICE, generator=gen
     )
 
 
@@ -343,7 +314,7 @@ def _f32_error(args, kw, qk_fp8):
     """Relative error of one decode into a NaN-poisoned float32 ``out`` with 16-token tiles
     (a tile per page), against the float64 reference."""
     q = args[0]
-    launch = _tiles16(qk_fp8=qk_fp8)
+    launch = tiles16(qk_fp8=qk_fp8)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
     pagedattn.paged_decode(*args, out=out, launch_config=launch, **kw)
     return rel_error(out, paged_decode_torch(*args, **kw))

@@ -11,13 +11,12 @@ import torch
 import triton
 import triton.language as tl
 from conftest import DEVICE, ON_GPU
-from test_decode import Case, run_case, tolerance
+from test_decode import Case, run_case, tiles16, tolerance
 
 import pagedattn
 from pagedattn import backend
 from pagedattn._kernels.decode import _convert_kv
 from pagedattn.cache import build_paged_cache, quantize_kv
-from pagedattn.launch import DecodeLaunchConfig
 from pagedattn.reference import paged_decode_torch, rel_error
 from pagedattn.testing import random_step
 
@@ -156,46 +155,30 @@ def test_hopper_family_refuses_fnuz(hopper_device, gen):
 
 # -- the portable decode kernel against the reference --
 
+
+def _fnuz_case(lens, kv_scale, **fields) -> Case:
+    """A decode case over an e4m3fnuz cache with ``kv_scale``."""
+    return Case(lens, kv_dtype=FNUZ, kv_scale=kv_scale, **fields)
+
+
 CASES = {
-    "tensor-nhd": Case((50, 17, 1), kv_dtype=FNUZ, kv_scale="per_tensor"),
-    "token-hnd": Case((41, 9, 23), kv_dtype=FNUZ, kv_scale="per_token", kv_layout="HND"),
-    "tensor-hnd-qlen3-kv2": Case(
-        (37, 3, 20),
-        num_q_heads=6,
-        num_kv_heads=2,
-        query_len=3,
-        kv_dtype=FNUZ,
-        kv_scale="per_tensor",
-        kv_layout="HND",
+    "tensor-nhd": _fnuz_case((50, 17, 1), "per_tensor"),
+    "token-hnd": _fnuz_case((41, 9, 23), "per_token", kv_layout="HND"),
+    "tensor-hnd-qlen3-kv2": _fnuz_case(
+        (37, 3, 20), "per_tensor", num_q_heads=6, num_kv_heads=2, query_len=3, kv_layout="HND"
     ),
-    "token-nhd-qlen3-out-f32": Case(
-        (29, 4), query_len=3, kv_dtype=FNUZ, kv_scale="per_token", out_dtype=torch.float32
+    "token-nhd-qlen3-out-f32": _fnuz_case(
+        (29, 4), "per_token", query_len=3, out_dtype=torch.float32
     ),
-    "token-fp16q-page8-combined": Case(
-        (33, 12),
-        page_size=8,
-        kv_dtype=FNUZ,
-        kv_scale="per_token",
-        q_dtype=torch.float16,
-        kv_combined=True,
+    "token-fp16q-page8-combined": _fnuz_case(
+        (33, 12), "per_token", page_size=8, q_dtype=torch.float16, kv_combined=True
     ),
-    "tensor-split-head128": Case(
-        (150, 5), head_dim=128, num_programs=8, kv_dtype=FNUZ, kv_scale="per_tensor"
+    "tensor-split-head128": _fnuz_case((150, 5), "per_tensor", head_dim=128, num_programs=8),
+    "token-qlen3-window-gather": _fnuz_case(
+        (60, 11), "per_token", query_len=3, window=13, launch=tiles16(tma=False)
     ),
-    "token-qlen3-window-gather": Case(
-        (60, 11),
-        query_len=3,
-        window=13,
-        kv_dtype=FNUZ,
-        kv_scale="per_token",
-        launch=DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, tma=False),
-    ),
-    "tensor-hnd-tail-pipelined": Case(
-        (45, 3),
-        kv_dtype=FNUZ,
-        kv_scale="per_tensor",
-        kv_layout="HND",
-        launch=DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=2, tail_stages=2),
+    "tensor-hnd-tail-pipelined": _fnuz_case(
+        (45, 3), "per_tensor", kv_layout="HND", launch=tiles16(tail_stages=2)
     ),
 }
 

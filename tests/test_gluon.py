@@ -333,20 +333,9 @@ def _decode(
     lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
     from pagedattn.families.hopper import gluon_paged_decode
 
+    args = dict(cache.decode_args(), seq_lens=seq_lens_t)  # the lengths as edited
     gluon_paged_decode(
-        q,
-        cache.k_cache,
-        cache.v_cache,
-        cache.block_table,
-        seq_lens_t,
-        plan,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        kv_layout=kv_layout,
-        out=out,
-        lse=lse,
-        sliding_window=window,
-        transposed=transposed,
+        q, **args, plan=plan, out=out, lse=lse, sliding_window=window, transposed=transposed
     )
     torch.cuda.synchronize()
     return out, lse, fault_codes(plan), q, cache, seq_lens

@@ -256,21 +256,30 @@ def test_numpy_scalars_are_accepted():
     assert isinstance(plan.head_dim, int) and type(plan.num_programs) is int
 
 
-def _python_without_interpreter_setting(code: str) -> subprocess.CompletedProcess:
+def _python_without_interpreter_setting(*statements: str) -> subprocess.CompletedProcess:
+    """Runs ``statements`` (joined by "; ") in a new Python without TRITON_INTERPRET set."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "; ".join(statements)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def _plan_one_sequence(more: str = "") -> str:
+    """The expression of a plan for one 5-token sequence on CPU tensors (``more``: more
+    keyword arguments, as ", name=value")."""
+    return (
+        "pagedattn.plan_decode(torch.tensor([5], dtype=torch.int32), num_q_heads=1, "
+        f"num_kv_heads=1, head_dim=64, page_size=16{more})"
+    )
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the choice made on a machine without a GPU")
 def test_cpu_machine_selects_the_interpreter_itself():
-    code = (
-        "import os, torch, pagedattn; "
-        "print(os.environ['TRITON_INTERPRET']); "
-        "p = pagedattn.plan_decode(torch.tensor([5], dtype=torch.int32), num_q_heads=1, "
-        "num_kv_heads=1, head_dim=64, page_size=16, num_programs=1); "
-        "print(p.work_items())"
+    done = _python_without_interpreter_setting(
+        "import os, torch, pagedattn",
+        "print(os.environ['TRITON_INTERPRET'])",
+        "p = " + _plan_one_sequence(", num_programs=1"),
+        "print(p.work_items())",
     )
-    done = _python_without_interpreter_setting(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "1"
     assert "WorkItem(program=0, seq=0" in done.stdout
@@ -278,12 +287,9 @@ def test_cpu_machine_selects_the_interpreter_itself():
 
 @pytest.mark.skipif(ON_GPU, reason="checks the message on a machine without a GPU")
 def test_cpu_tensors_without_the_interpreter_say_how_to_run():
-    code = (
-        "import triton, torch, pagedattn; "
-        "pagedattn.plan_decode(torch.tensor([5], dtype=torch.int32), num_q_heads=1, "
-        "num_kv_heads=1, head_dim=64, page_size=16)"
+    done = _python_without_interpreter_setting(
+        "import triton, torch, pagedattn", _plan_one_sequence()
     )
-    done = _python_without_interpreter_setting(code)
     assert done.returncode != 0
     assert "seq_lens: expected a CUDA tensor, got one on cpu; CPU tensors run only through " in (
         done.stderr
