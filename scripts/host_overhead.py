@@ -120,30 +120,58 @@ def pagedattn_calls(device, gen) -> dict:
         case, cache, q, slots, k_new, v_new = step_inputs(device, kv_dtype, kv_scale, gen)
         shape = case.plan_kwargs()
         plan = pagedattn.plan_decode(cache.seq_lens, **shape)
-        decode_args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)
-        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
 
-        def decode(decode_args=decode_args, plan=plan, scales=scales):
-            return pagedattn.paged_decode(*decode_args, plan=plan, **scales)
+        # (Each call written out, keywords and all, as an engine writes it: no argument lists
+        # or dictionaries unpacked, which would add their own time.)
+        def decode(
+            q=q, k=cache.k_cache, v=cache.v_cache, table=cache.block_table, lens=cache.seq_lens,
+            plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale,
+        ):  # fmt: skip
+            return pagedattn.paged_decode(
+                q, k, v, table, lens, plan=plan, k_scale=k_scale, v_scale=v_scale
+            )
 
         calls["paged_decode" + suffix] = decode
         if not suffix:
-            calls["plan_decode_reuse"] = lambda s=shape, c=cache, p=plan: pagedattn.plan_decode(
-                c.seq_lens, **s, reuse=p
-            )
-            calls["plan_decode"] = lambda s=shape, c=cache: pagedattn.plan_decode(c.seq_lens, **s)
-        fp8 = dict(kv_scale="per_tensor", **scales) if kv_dtype == "fp8" else {}
+            sizes = tuple(shape.values())
 
-        def append(k=k_new, v=v_new, c=cache, s=slots, fp8=fp8):
-            return pagedattn.append_kv(k, v, c.k_cache, c.v_cache, s, **fp8)
+            def plan_reuse(lens=cache.seq_lens, s=sizes, plan=plan):
+                q_heads, kv_heads, head_dim, page_size, query_len, kv_dtype, kv_scale, programs = s
+                return pagedattn.plan_decode(
+                    lens, num_q_heads=q_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                    page_size=page_size, query_len=query_len, kv_dtype=kv_dtype,
+                    kv_scale=kv_scale, num_programs=programs, reuse=plan,
+                )  # fmt: skip
+
+            assert list(shape) == [
+                "num_q_heads", "num_kv_heads", "head_dim", "page_size", "query_len", "kv_dtype",
+                "kv_scale", "num_programs",
+            ]  # fmt: skip
+            assert plan_reuse() is plan
+            calls["plan_decode_reuse"] = plan_reuse
+            calls["plan_decode"] = lambda s=shape, c=cache: pagedattn.plan_decode(c.seq_lens, **s)
+
+        def append(
+            k=k_new, v=v_new, k_cache=cache.k_cache, v_cache=cache.v_cache, slots=slots,
+            kv_scale=kv_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
+        ):  # fmt: skip
+            return pagedattn.append_kv(
+                k, v, k_cache, v_cache, slots, kv_scale=kv_scale, k_scale=k_scale, v_scale=v_scale
+            )
 
         calls["append_kv" + suffix] = append
     # A cache with per-token scales: the scale of each written row is computed and written.
     _, cache, _, slots, k_new, v_new = step_inputs(device, "fp8", "per_token", gen)
-    calls["append_kv_token"] = lambda: pagedattn.append_kv(
-        k_new, v_new, cache.k_cache, cache.v_cache, slots, kv_scale="per_token",
+
+    def append_token(
+        k=k_new, v=v_new, k_cache=cache.k_cache, v_cache=cache.v_cache, slots=slots,
         k_scale=cache.k_scale, v_scale=cache.v_scale,
-    )  # fmt: skip
+    ):  # fmt: skip
+        return pagedattn.append_kv(
+            k, v, k_cache, v_cache, slots, kv_scale="per_token", k_scale=k_scale, v_scale=v_scale
+        )
+
+    calls["append_kv_token"] = append_token
     calls["torch.empty"] = lambda: torch.empty(1000, device=device)
     return calls
 

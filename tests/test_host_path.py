@@ -66,6 +66,41 @@ def test_repeated_calls_take_the_prepared_step_with_the_same_bits():
     assert torch.equal(replay_lse, first_lse)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "heads outer", "size-1 dim strided"])
+def test_a_warm_call_returns_a_contiguous_output_whatever_the_query_layout(layout, monkeypatch):
+    """The fast path allocates the output in the contiguous layout, as the first call did,
+    also for a query laid out otherwise (transposed, or a size-1 dimension with another
+    stride), and passes it to the kernel; on a GPU, with the same bits each call."""
+    if not torch.cuda.is_available():
+        launched = _direct_launches(monkeypatch)  # (launches recorded, not run)
+    shape, cache, q = _step(lens=(37, 1, 130))
+    if layout == "heads outer":  # dense, not contiguous
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
+    elif layout == "size-1 dim strided":  # contiguous, one head of stride 999
+        shape = dataclasses.replace(shape, num_q_heads=1, num_kv_heads=1)
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        cache, q = shape.random_step([37, 1, 130], device=DEVICE, generator=gen)
+        q = torch.empty_strided(q.shape, (q.shape[2], 999, 1), dtype=q.dtype).copy_(q)
+        assert q.is_contiguous() and torch.empty_like(q).stride()[1] == 999
+    plan = shape.plan(cache.seq_lens)
+    outs = [_decode(shape, cache, q, plan) for _ in range(3)]  # full, bound, fast
+    assert len(decode._BOUND_STEPS) == 1
+    if not torch.cuda.is_available():
+        # The decode kernel's launches, the tensors of the first (JIT) call as addresses.
+        launched = [
+            [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in got]
+            for kernel, got in launched
+            if "decode" in kernel.__name__
+        ]
+        assert len(launched) == 3
+    for i, out in enumerate(outs):
+        assert out.shape == q.shape and out.stride() == torch.empty(q.shape).stride()
+        if torch.cuda.is_available():
+            assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16))
+        else:
+            assert out.data_ptr() in launched[i]
+
+
 def _bad_calls(shape, cache, q, plan):
     """(what, call) pairs: each call is bad in one way, and raises."""
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens)

@@ -810,14 +810,15 @@ class BoundStep:
     None where the plan cuts no sequence). Called with the query, the output and the LSE
     (None: not written), all checked by the caller."""
 
-    __slots__ = ("contiguous_q", "debug", "decode", "plain", "reduce", "return_lse")
+    __slots__ = ("contiguous_q", "debug", "decode", "dense_q", "plain", "reduce", "return_lse")
 
     def __init__(self, decode: SlotLaunch, reduce: SlotLaunch | None, contiguous_q: bool):
         self.decode = decode
         self.reduce = reduce
         self.contiguous_q = contiguous_q
-        # (The caller's: whether its calls return the LSE, read faults back, or neither.)
-        self.return_lse = self.debug = self.plain = False
+        # (The caller's: whether its calls return the LSE, read faults back, or neither, and
+        # whether their queries are laid out as contiguous tensors of their shape.)
+        self.return_lse = self.debug = self.plain = self.dense_q = False
 
     def __call__(self, q, out, lse) -> None:
         if self.contiguous_q:

@@ -170,16 +170,20 @@ def plan_decode(
         )  # fmt: skip
         key = (
             tensor_sig_at(seq_lens),
-            tensor_sig_at(query_start_loc),
+            query_start_loc if query_start_loc is None else tensor_sig_at(query_start_loc),
             scalars,
-            tuple(map(type, scalars)),
+            # (Their types, so that a float or bool where an int belongs gets the full checks;
+            # written out: a third of the cost of map.)
+            type(num_q_heads), type(num_kv_heads), type(head_dim), type(page_size),
+            type(query_len), type(num_programs), type(partition_size), type(max_seq_len),
+            type(batch_invariant),
             kv_dtype,
             kv_scale,
             schedule_config,
             None if reuse is None else reuse.sig_at,
             preferred_family(),
             None if max_seq_len is None else (user_table_path(), cache_generation()),
-        )
+        )  # fmt: skip
         bound = None if reuse is None else _BOUND_PLANS.get(key)
     except (AttributeError, TypeError):  # not a tensor, not a plan, unhashable: full checks
         key = bound = None
