@@ -79,8 +79,10 @@ def test_a_warm_call_returns_a_contiguous_output_whatever_the_query_layout(layou
     elif layout == "size-1 dim strided":  # contiguous, one head of stride 999
         shape = dataclasses.replace(shape, num_q_heads=1, num_kv_heads=1)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
-        cache, q = shape.random_step([37, 1, 130], device=DEVICE, generator=gen)
-        q = torch.empty_strided(q.shape, (q.shape[2], 999, 1), dtype=q.dtype).copy_(q)
+        cache, q_made = shape.random_step([37, 1, 130], device=DEVICE, generator=gen)
+        dim = q_made.shape[2]
+        q = torch.empty_strided(q_made.shape, (dim, 999, 1), dtype=q_made.dtype, device=DEVICE)
+        q.copy_(q_made)
         assert q.is_contiguous() and torch.empty_like(q).stride()[1] == 999
     plan = shape.plan(cache.seq_lens)
     outs = [_decode(shape, cache, q, plan) for _ in range(3)]  # full, bound, fast
