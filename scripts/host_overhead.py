@@ -7,9 +7,11 @@
                                                 # the Python alone, kernel launches as no-ops
 
 Each call is timed alone, ``--samples`` times (after a sync on a GPU, so the queue is empty),
-and the median printed as ``NAME: X.X us``. The step is the seed's shape at batch 64: 16 query
-heads on one kv head, head_dim 128, page 16, 1024 tokens a sequence, FP8 KV with a per-tensor
-scale (``paged_decode``) and a bf16 cache (``paged_decode_bf16``):
+and the median printed as ``NAME: X.X us``; the calls take turns (twenty turns of a twentieth
+of the samples each), so a host whose speed drifts during the run slows them alike. The step is
+the seed's shape at batch 64: 16 query heads on one kv head, head_dim 128, page 16, 1024 tokens
+a sequence, FP8 KV with a per-tensor scale (``paged_decode``) and a bf16 cache
+(``paged_decode_bf16``):
 
 - ``paged_decode``, ``paged_decode_bf16``: with a plan made for the step;
 - ``plan_decode_reuse``: ``plan_decode(reuse=plan)``; ``plan_decode``: a fresh plan;
@@ -241,17 +243,26 @@ def flashinfer_append(case, cache, k_new, v_new):
     )  # fmt: skip
 
 
-def time_calls(calls: dict, samples: int, sync) -> None:
-    for name, fn in calls.items():
+def time_calls(calls: dict, samples: int, sync, rounds: int = 20) -> None:
+    """Prints each call's median over ``samples`` single calls, each after ``sync``. The calls
+    take turns, ``samples // rounds`` each a turn, so that a host whose speed drifts within
+    the run (a lent machine's did, by up to 2x, over seconds) weighs on all of them alike."""
+    for fn in calls.values():
         fn()  # warm: compiles, checks once, prepares the launch
         fn()
-        times = []
-        for _ in range(samples):
-            sync()
-            start = time.perf_counter_ns()
-            fn()
-            times.append(time.perf_counter_ns() - start)
-        print(f"{name}: {statistics.median(times) / 1000:.1f} us", flush=True)
+    times = {name: [] for name in calls}
+    turns = max(1, min(rounds, samples))
+    for turn in range(turns):
+        count = samples // turns + (turn < samples % turns)
+        for name, fn in calls.items():
+            took = times[name]
+            for _ in range(count):
+                sync()
+                start = time.perf_counter_ns()
+                fn()
+                took.append(time.perf_counter_ns() - start)
+    for name, took in times.items():
+        print(f"{name}: {statistics.median(took) / 1000:.1f} us", flush=True)
 
 
 def part_calls(calls: dict) -> dict:
