@@ -247,7 +247,7 @@ def paged_decode(
         bound = _BOUND_STEPS.get(key)
     except (AttributeError, TypeError):  # no plan, not a tensor, unhashable: full checks
         key = bound = None
-    if bound is not None and bound.plain:  # (no LSE, no debug: the most common call)
+    if bound is not None and not (bound.return_lse or bound.debug):  # (the most common call)
         if out is None:
             # (A contiguous query's own layout is the contiguous one: empty_like keeps it, 0.2
             # us less on the CI machine than asking for it.)
@@ -285,7 +285,6 @@ def paged_decode(
             bound = step.launch.bind(*fixed, query_start_loc, trace)
         if key is not None and bound is not None:
             bound.return_lse, bound.debug = step.return_lse, step.debug
-            bound.plain = not (step.return_lse or step.debug)
             # (Every query of this key has q's shape and strides, and so the same answer.)
             bound.dense_q = (
                 torch.empty_like(q).stride()

@@ -785,10 +785,7 @@ class SlotLaunch:
     def __call__(self, stream: int, *values) -> None:
         """The launch on ``stream`` with ``values`` in its slots (none or two; a decode step
         launches its three inline, :class:`BoundStep`)."""
-        # (hooks_quiet, inline: a call of it costs about as much as the rest.)
-        enter = _RUNTIME_KNOBS.launch_enter_hook
-        exit_hook = _RUNTIME_KNOBS.launch_exit_hook
-        if getattr(enter, "calls", True) or getattr(exit_hook, "calls", True):
+        if not hooks_quiet():
             self.hooked(stream, *values)
         elif values:
             a, b = values
@@ -810,15 +807,15 @@ class BoundStep:
     None where the plan cuts no sequence). Called with the query, the output and the LSE
     (None: not written), all checked by the caller."""
 
-    __slots__ = ("contiguous_q", "debug", "decode", "dense_q", "plain", "reduce", "return_lse")
+    __slots__ = ("contiguous_q", "debug", "decode", "dense_q", "reduce", "return_lse")
 
     def __init__(self, decode: SlotLaunch, reduce: SlotLaunch | None, contiguous_q: bool):
         self.decode = decode
         self.reduce = reduce
         self.contiguous_q = contiguous_q
-        # (The caller's: whether its calls return the LSE, read faults back, or neither, and
-        # whether their queries are laid out as contiguous tensors of their shape.)
-        self.return_lse = self.debug = self.plain = self.dense_q = False
+        # (The caller's: whether its calls return the LSE, read faults back, and whether their
+        # queries are laid out as contiguous tensors of their shape.)
+        self.return_lse = self.debug = self.dense_q = False
 
     def __call__(self, q, out, lse) -> None:
         if self.contiguous_q:
