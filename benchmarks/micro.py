@@ -508,7 +508,10 @@ def append(args: argparse.Namespace) -> None:
     input copy (copies of ``k``, ``v`` and the slots, disjoint slots of one cache, enough
     copies to move 256 MB a replay), per call. Bytes: :func:`append_bytes`. ``--smoke``: tiny
     sizes (on the CPU through Triton's interpreter where there is no GPU), the check alone
-    meaningful (the time is one host-timed call, no ceiling)."""
+    meaningful (the time is one host-timed call, no ceiling). Beside each row, ``copy_`` of as
+    many bytes (read + written) timed the same way, and the row's speed as a share of its: the
+    copy ceiling is measured on 2 GiB copies, which a copy of a few MB does not reach either;
+    and before them a bare launch (a one-element ``zero_``) timed the same way."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("append: needs a CUDA GPU (or --smoke)")
@@ -519,6 +522,10 @@ def append(args: argparse.Namespace) -> None:
         copy_gbps = measure_copy_gbps(device=device)
         torch.cuda.empty_cache()
         print(f"copy ceiling {copy_gbps:.0f} GB/s (copy_, bytes read + written)")
+        # A launch that moves nearly nothing, timed the same way: the floor of a small write.
+        ones = [torch.empty(1, device=device) for _ in range(256)]
+        floor_us = time_graph([one.zero_ for one in ones], replays=args.replays).us_p50
+        print(f"bare launch {floor_us:.2f} us (a one-element zero_, timed as the rows are)")
     gen = torch.Generator(device=device).manual_seed(0)
     slot_dtype = SLOT_DTYPES[args.slot_dtype]
     heads, head_dim, page = args.kv_heads, args.head_dim, args.page_size
@@ -571,21 +578,31 @@ def append(args: argparse.Namespace) -> None:
             us = time_graph(steps, replays=args.replays).us_p50
         gbps = (read + written) / us / 1e3  # bytes per µs -> GB/s
         pct = f"{100 * gbps / copy_gbps:.1f}" if copy_gbps else "-"
+        same = "- | -"
+        if not args.smoke:
+            # copy_ of as many bytes, timed the same way: what a copy of this size reaches.
+            half = (read + written) // 2
+            pairs = [torch.empty(2, half, dtype=torch.uint8, device=device) for _ in inputs]
+            copy_us = time_graph(
+                [functools.partial(pair[1].copy_, pair[0]) for pair in pairs], replays=args.replays
+            ).us_p50
+            same = f"{copy_us:.2f} | {100 * copy_us / us:.1f}"
+            del pairs
         label = f"{tokens} x {heads} x {head_dim}"
-        rows.append((label, name, read, written, copies, us, gbps, pct, check))
+        rows.append((label, name, read, written, copies, us, gbps, pct, same, check))
         print(f"{label} {name}: {us:.2f} us, {gbps:.1f} GB/s, {pct}% copy, {check}", flush=True)
         del k_cache, v_cache, scales, steps, inputs, slots
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(
         "| tokens x kv heads x head_dim | cache | bytes read | bytes written | copies | µs "
-        "| GB/s | % copy ceiling | check |"
+        "| GB/s | % copy ceiling | copy_ µs, same bytes | % of that copy_'s speed | check |"
     )
-    print("|---" * 9 + "|")
-    for label, name, read, written, copies, us, gbps, pct, check in rows:
+    print("|---" * 11 + "|")
+    for label, name, read, written, copies, us, gbps, pct, same, check in rows:
         print(
             f"| {label} | {name} | {read} | {written} | {copies} | {us:.2f} | {gbps:.1f} | {pct} "
-            f"| {check} |"
+            f"| {same} | {check} |"
         )
 
 

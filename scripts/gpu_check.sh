@@ -187,11 +187,20 @@ if [[ $MODE == bench || $MODE == all ]]; then
 fi
 
 if [[ $MODE == append || $MODE == all ]]; then
-  # append_kv alone: 64, 256, 4096 tokens x 8 kv heads x 128, FP8 per-token and bf16 caches.
-  timeout "${APPEND_SECONDS:-180}" python3 benchmarks/micro.py append >"$RESULTS/append.md" 2>&1
-  summary+=("append rc $?: $(grep -E '^\| [0-9]' "$RESULTS/append.md" |
-    awk -F' \\| ' '{printf "%s %s %s us %s%% %s; ", $1, $2, $6, $8, $9}' | tr -d '|')")
-  grep -E "^copy ceiling|^\||WRONG|Error" "$RESULTS/append.md" | tail -12
+  # append_kv alone: 64, 256, 4096 tokens x 8 kv heads x 128, FP8 per-token and bf16 caches;
+  # APPEND_BASE=DIR: also with the sources in DIR (a checkout's src/), in turns, APPEND_ROUNDS
+  # times.
+  for round in $(seq 1 "${APPEND_ROUNDS:-1}"); do
+    for src in ${APPEND_BASE:-} .; do
+      name=append_$round$([[ $src == . ]] || echo _base)
+      PYTHONPATH=$PWD/$src/src:${PYTHONPATH#*:} timeout "${APPEND_SECONDS:-180}" \
+        python3 benchmarks/micro.py append >"$RESULTS/$name.md" 2>&1
+      summary+=("$name rc $?: $(grep -E '^\| [0-9]' "$RESULTS/$name.md" |
+        awk -F' \\| ' '{printf "%s %s %s us %s%% (copy_ %s%%) %s; ", $1, $2, $6, $8, $10, $11}' |
+        tr -d '|')")
+      grep -E "^copy ceiling|^bare launch|^\||WRONG|Error" "$RESULTS/$name.md" | tail -14
+    done
+  done
 fi
 
 if [[ $MODE == fa3 || $MODE == all ]]; then

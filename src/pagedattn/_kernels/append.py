@@ -2,7 +2,8 @@
 
 Grid = (num_tokens, head blocks): a program writes one token's K and V rows for ``BLOCK_H``
 kv heads into cache slot ``slot_mapping[token]`` (``page * page_size + offset``). A slot of
--1 (padding) or outside ``[0, num_slots)`` writes nothing, and no address is formed from it.
+-1 (padding) or outside ``[0, num_slots)`` writes nothing, and no address is formed from it;
+the token's rows are read whatever its slot, so their loads do not wait for the slot's.
 16-bit caches get the values as they are; FP8 caches get ``x / scale`` in float32
 (``div_rn``: IEEE division, as torch divides), saturated at the format's largest value and
 rounded to nearest even by :func:`_fp8_bits` (integer arithmetic, so every backend and the
@@ -60,8 +61,7 @@ def slot_place(slot_mapping_ptr, token, page_size, num_slots):
 
 @triton.jit
 def _write_rows(
-    source_ptr,
-    source_offsets,
+    x,
     cache_ptr,
     cache_offsets,
     scale_ptr,
@@ -75,10 +75,9 @@ def _write_rows(
     NEGATIVE_ZERO: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
-    """Rows of K (or V), ``[rows, BLOCK_D]``, into the cache. ``HW_FP8``: e4m3fn bytes by the
-    hardware's conversion (round to nearest even, as :func:`_fp8_bits`; compiled NVIDIA code
-    from sm_89 only)."""
-    x = tl.load(source_ptr + source_offsets, mask=mask, other=0.0)
+    """Rows of K (or V), ``[rows, BLOCK_D]`` as loaded, into the cache. ``HW_FP8``: e4m3fn
+    bytes by the hardware's conversion (round to nearest even, as :func:`_fp8_bits`; compiled
+    NVIDIA code from sm_89 only)."""
     if not FP8:
         # -- 16-bit cache: the same dtype as the source, stored bit for bit --
         tl.store(cache_ptr + cache_offsets, x, mask=mask)
@@ -146,16 +145,20 @@ def _append_kv_kernel(
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-
-    page, offset, in_cache = slot_place(slot_mapping_ptr, token, page_size, num_slots)
-
-    head_mask = (heads < NUM_KV_HEADS) & in_cache
-    mask = head_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    rows = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
     heads = heads.to(tl.int64)
 
-    # -- where the rows come from and go to --
+    # -- the token's rows and its slot, read at once: the rows' loads do not wait for the
+    # slot (a padding token's rows are read and not written) --
+    page, offset, in_cache = slot_place(slot_mapping_ptr, token, page_size, num_slots)
     k_offsets = token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
     v_offsets = token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
+    k = tl.load(k_ptr + k_offsets, mask=rows, other=0.0)
+    v = tl.load(v_ptr + v_offsets, mask=rows, other=0.0)
+
+    # -- where they go --
+    mask = rows & in_cache
+    head_mask = (heads < NUM_KV_HEADS) & in_cache
     kc_offsets = (
         page * stride_kc_page
         + offset * stride_kc_slot
@@ -172,10 +175,10 @@ def _append_kv_kernel(
     vs_offsets = page * stride_vs_page + offset * stride_vs_slot + heads * stride_vs_head
 
     _write_rows(
-        k_ptr, k_offsets, k_cache_ptr, kc_offsets, k_scale_ptr, ks_offsets, mask, head_mask,
+        k, k_cache_ptr, kc_offsets, k_scale_ptr, ks_offsets, mask, head_mask,
         FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO, HW_FP8,
     )  # fmt: skip
     _write_rows(
-        v_ptr, v_offsets, v_cache_ptr, vc_offsets, v_scale_ptr, vs_offsets, mask, head_mask,
+        v, v_cache_ptr, vc_offsets, v_scale_ptr, vs_offsets, mask, head_mask,
         FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO, HW_FP8,
     )  # fmt: skip

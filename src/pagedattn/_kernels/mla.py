@@ -362,10 +362,12 @@ def _append_mla_kernel(
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     page, offset, in_cache = slot_place(slot_mapping_ptr, token, page_size, num_slots)
+    zero = tl.zeros([1], tl.int64)
+    # (The row is read without waiting for the slot, as append_kv's are.)
+    latent_offsets = token * stride_latent_token + zero[:, None] + dims[None, :]
+    row = tl.load(latent_ptr + latent_offsets, mask=(dims < ROW_DIM)[None, :], other=0.0)
     row_mask = tl.full([1], 1, tl.int1) & in_cache
     mask = row_mask[:, None] & (dims < ROW_DIM)[None, :]
-    zero = tl.zeros([1], tl.int64)
-    latent_offsets = token * stride_latent_token + zero[:, None] + dims[None, :]
     kv_offsets = (
         page * stride_kv_page
         + offset * stride_kv_slot
@@ -374,6 +376,6 @@ def _append_mla_kernel(
     )
     scale_offsets = page * stride_s_page + offset * stride_s_slot + zero
     _write_rows(
-        latent_ptr, latent_offsets, kv_ptr, kv_offsets, scale_ptr, scale_offsets, mask, row_mask,
+        row, kv_ptr, kv_offsets, scale_ptr, scale_offsets, mask, row_mask,
         FP8, PER_TOKEN, FP8_MAX, EXPONENT_BIAS, NEGATIVE_ZERO, False,
     )  # fmt: skip
