@@ -18,6 +18,9 @@ a sequence, FP8 KV with a per-tensor scale (``paged_decode``) and a bf16 cache
 - ``append_kv``: one new token a sequence into the FP8 cache (per-tensor scale),
   ``append_kv_bf16`` into the bf16 one, ``append_kv_token`` into an FP8 cache with per-token
   scales;
+- ``paged_decode_views``, ``append_kv_views``: the FP8 calls with the caches passed as views
+  made anew for each call (``kv_cache.unbind(0)``, as vLLM's FlashAttention backend passes
+  them; made before the timing): cache tensors the call has not seen;
 - ``launch_floor``: one launch of a trivial compiled kernel bound as every warm call above
   binds its launches (``pagedattn.launch.SlotLaunch``: arguments packed once, the stream
   read per call); ``launch_floor_unbound``: the same kernel through
@@ -112,7 +115,7 @@ def step_inputs(device, kv_dtype: str, kv_scale, gen):
     return case, cache, q, slots, k_new.to(torch.bfloat16), k_new.flip(0).to(torch.bfloat16)
 
 
-def pagedattn_calls(device, gen) -> dict:
+def pagedattn_calls(device, gen, samples: int) -> dict:
     import torch
 
     import pagedattn
@@ -174,8 +177,46 @@ def pagedattn_calls(device, gen) -> dict:
         )
 
     calls["append_kv_token"] = append_token
+    calls.update(view_calls(device, gen, samples))
     calls["torch.empty"] = lambda: torch.empty(1000, device=device)
     return calls
+
+
+def view_calls(device, gen, samples: int) -> dict:
+    """``paged_decode`` and ``append_kv`` (FP8, per-tensor scale) with the caches passed as
+    views of one KV tensor made anew for each call, as vLLM's FlashAttention backend passes
+    them (``kv_cache.unbind(0)``): every call meets cache tensors it has not seen. The views
+    are made before the timing (one pair a call), so their making is not timed."""
+    import torch
+
+    import pagedattn
+
+    case, cache, q, slots, k_new, v_new = step_inputs(device, "fp8", "per_tensor", gen)
+    plan = pagedattn.plan_decode(cache.seq_lens, **case.plan_kwargs())
+    kv = torch.stack((cache.k_cache, cache.v_cache))
+    # Enough pairs for the warm calls and the samples: none comes back.
+    decode_views = iter([kv.unbind(0) for _ in range(samples + 8)])
+    append_views = iter([kv.unbind(0) for _ in range(samples + 8)])
+
+    def decode(
+        q=q, views=decode_views, table=cache.block_table, lens=cache.seq_lens, plan=plan,
+        k_scale=cache.k_scale, v_scale=cache.v_scale,
+    ):  # fmt: skip
+        k, v = next(views)
+        return pagedattn.paged_decode(
+            q, k, v, table, lens, plan=plan, k_scale=k_scale, v_scale=v_scale
+        )
+
+    def append(
+        k=k_new, v=v_new, views=append_views, slots=slots, k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+    ):  # fmt: skip
+        k_cache, v_cache = next(views)
+        return pagedattn.append_kv(
+            k, v, k_cache, v_cache, slots, kv_scale="per_tensor", k_scale=k_scale, v_scale=v_scale
+        )
+
+    return {"paged_decode_views": decode, "append_kv_views": append}
 
 
 def floor_calls(device) -> dict:
@@ -346,7 +387,7 @@ def main(argv=None) -> None:
         f"; batch 64, page 16, torch {torch.__version__})"
     )
     with using_backend(family):
-        calls = pagedattn_calls(device, gen)
+        calls = pagedattn_calls(device, gen, args.samples)
         if not args.cpu:
             calls.update(floor_calls(device))
         if args.peers:

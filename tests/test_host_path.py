@@ -423,6 +423,35 @@ def test_tensor_sig_at_is_the_signature_at_an_address():
     assert tensor_sig_at(a) != at and tensor_sig(a) != tensor_sig(b)
 
 
+def test_a_view_made_anew_takes_the_int_of_one_laid_out_alike(monkeypatch):
+    """A tensor not seen before but laid out as one seen at the same address (a view made for
+    each call, as an engine unbinding its caches makes them) gets that one's int without its
+    signature being read again; one that differs at that address in shape, strides or dtype
+    gets its own."""
+    from pagedattn import signature
+
+    kv = torch.zeros(2, 4, 8)
+    at = signature.tensor_sig_at(kv.unbind(0)[0])
+
+    def unread(x):
+        raise AssertionError("the signature was read again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(signature, "tensor_key", unread)
+        assert signature.tensor_sig_at(kv.unbind(0)[0]) == at
+    others = {
+        "shape": kv[0, :2],
+        "strides": kv.as_strided((4, 8), (1, 4)),
+        "dtype": kv.view(torch.int32)[0],
+    }
+    for what, other in others.items():
+        assert other.data_ptr() == kv.data_ptr(), what
+        got = signature.tensor_sig_at(other)
+        assert got != at, what
+        want = signature.signature_int(signature.tensor_key(other))
+        assert signature.without_addresses((got,)) == (want,), what
+
+
 def test_bound_launch_passes_what_the_first_call_passed(monkeypatch):
     """After the first call (Triton's JIT, stood in), a call like it launches its step bound to
     the same addresses: the launcher gets the first call's arguments, tensors as addresses

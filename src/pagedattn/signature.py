@@ -7,10 +7,12 @@ import itertools
 import weakref
 
 # Signatures (tensor_key) by a small int, each tensor seen by tensor_sig_at by its identity (a
-# weak reference, its version counter, its address, its signature's int at that address), and
-# each int of a signature at an address by that signature's.
+# weak reference, its version counter, its address, its signature's int at that address), the
+# same ints by a tensor's layout and address, and each int of a signature at an address by that
+# signature's.
 _SIGNATURES: dict[tuple, int] = {}
 _SEEN: dict[int, tuple] = {}
+_AT: dict[tuple, int] = {}
 _WITHOUT_ADDRESS: dict[int, int] = {}
 _NEXT_SIGNATURE = itertools.count()
 MAX_SEEN = 4096
@@ -45,13 +47,21 @@ def tensor_sig_at(x) -> int | None:
 
 def _see(x) -> tuple:
     """``x``'s entry in ``_SEEN``, read in full (kept unless ``x`` is an inference tensor): a
-    weak reference, its version counter, its address and :func:`tensor_sig_at`'s int."""
+    weak reference, its version counter, its address and :func:`tensor_sig_at`'s int. A
+    tensor not seen before but laid out as one seen at the same address (a view made anew for
+    each call) gets that one's int in one lookup."""
     address = x.data_ptr()
-    seen = (None, None, address, address_int(signature_int(tensor_key(x)), address))
-    if not x.is_inference():
-        if len(_SEEN) >= MAX_SEEN:
-            _SEEN.clear()
-        seen = _SEEN[id(x)] = (weakref.ref(x), x._version, *seen[2:])
+    at = _AT.get((x.shape, x.stride(), x.dtype, x.device, address))
+    if at is None:
+        at = address_int(signature_int(tensor_key(x)), address)
+        if len(_AT) >= MAX_SEEN:
+            _AT.clear()
+        _AT[x.shape, x.stride(), x.dtype, x.device, address] = at
+    if x.is_inference():
+        return (None, None, address, at)
+    if len(_SEEN) >= MAX_SEEN:
+        _SEEN.clear()
+    seen = _SEEN[id(x)] = (weakref.ref(x), x._version, address, at)
     return seen
 
 
@@ -63,6 +73,7 @@ def signature_int(key) -> int:
         if len(_SIGNATURES) >= MAX_SIGNATURES:
             _SIGNATURES.clear()
             _SEEN.clear()
+            _AT.clear()
             _WITHOUT_ADDRESS.clear()
         sig = _SIGNATURES[key] = next(_NEXT_SIGNATURE)
     return sig
