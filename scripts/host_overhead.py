@@ -13,7 +13,8 @@ the seed's shape at batch 64: 16 query heads on one kv head, head_dim 128, page 
 a sequence, FP8 KV with a per-tensor scale (``paged_decode``) and a bf16 cache
 (``paged_decode_bf16``):
 
-- ``paged_decode``, ``paged_decode_bf16``: with a plan made for the step;
+- ``paged_decode``, ``paged_decode_bf16``: with a plan made for the step; ``paged_decode_out``:
+  the FP8 one writing into a given output, as the peers below do;
 - ``plan_decode_reuse``: ``plan_decode(reuse=plan)``; ``plan_decode``: a fresh plan;
 - ``append_kv``: one new token a sequence into the FP8 cache (per-tensor scale),
   ``append_kv_bf16`` into the bf16 one, ``append_kv_token`` into an FP8 cache with per-token
@@ -137,6 +138,20 @@ def pagedattn_calls(device, gen, samples: int) -> dict:
             )
 
         calls["paged_decode" + suffix] = decode
+        if not suffix:
+            # The same with the output given, as FlashInfer's run() and XQA are timed here.
+            given = torch.empty_like(q)
+
+            def decode_out(
+                q=q, k=cache.k_cache, v=cache.v_cache, table=cache.block_table,
+                lens=cache.seq_lens, plan=plan, k_scale=cache.k_scale, v_scale=cache.v_scale,
+                out=given,
+            ):  # fmt: skip
+                return pagedattn.paged_decode(
+                    q, k, v, table, lens, plan=plan, k_scale=k_scale, v_scale=v_scale, out=out
+                )
+
+            calls["paged_decode_out"] = decode_out
         if not suffix:
             sizes = tuple(shape.values())
 
