@@ -509,9 +509,10 @@ def append(args: argparse.Namespace) -> None:
     copies to move 256 MB a replay), per call. Bytes: :func:`append_bytes`. ``--smoke``: tiny
     sizes (on the CPU through Triton's interpreter where there is no GPU), the check alone
     meaningful (the time is one host-timed call, no ceiling). Beside each row, ``copy_`` of as
-    many bytes (read + written) timed the same way, and the row's speed as a share of its: the
-    copy ceiling is measured on 2 GiB copies, which a copy of a few MB does not reach either;
-    and before them a bare launch (a one-element ``zero_``) timed the same way."""
+    many bytes (read + written) timed the same way, and the row's speed as a share of that
+    copy's (the copy ceiling is measured on 2 GiB copies, which a copy of a few MB does not
+    reach either); before the rows, a bare launch (a one-element ``zero_``) timed the same
+    way."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("append: needs a CUDA GPU (or --smoke)")

@@ -52,11 +52,12 @@ def slot_place(slot_mapping_ptr, token, page_size, num_slots):
     """Token ``token``'s slot as ``(page, offset, in_cache)``, int64. The slot is never
     trusted: padding (-1) and slots outside ``[0, num_slots)`` are not ``in_cache`` and give
     page 0, offset 0 (no address is formed from a bad slot, even a masked one)."""
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
     in_cache = (slot >= 0) & (slot < num_slots)
-    slot = tl.where(in_cache, slot, 0)
+    # (Divided in num_slots's type: 32 bits below 2^31 slots, a 64-bit division otherwise.)
+    slot = tl.where(in_cache, slot, 0).to(num_slots.dtype)
     page = slot // page_size
-    return page, slot - page * page_size, in_cache
+    return page.to(tl.int64), (slot - page * page_size).to(tl.int64), in_cache
 
 
 @triton.jit
