@@ -152,7 +152,6 @@ def pagedattn_calls(device, gen, samples: int) -> dict:
                 )
 
             calls["paged_decode_out"] = decode_out
-        if not suffix:
             sizes = tuple(shape.values())
 
             def plan_reuse(lens=cache.seq_lens, s=sizes, plan=plan):

@@ -51,12 +51,13 @@ def _see(x) -> tuple:
     tensor not seen before but laid out as one seen at the same address (a view made anew for
     each call) gets that one's int in one lookup."""
     address = x.data_ptr()
-    at = _AT.get((x.shape, x.stride(), x.dtype, x.device, address))
+    layout = (x.shape, x.stride(), x.dtype, x.device, address)
+    at = _AT.get(layout)
     if at is None:
         at = address_int(signature_int(tensor_key(x)), address)
         if len(_AT) >= MAX_SEEN:
             _AT.clear()
-        _AT[x.shape, x.stride(), x.dtype, x.device, address] = at
+        _AT[layout] = at
     if x.is_inference():
         return (None, None, address, at)
     if len(_SEEN) >= MAX_SEEN:
