@@ -48,6 +48,7 @@ no-op.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -301,29 +302,49 @@ def flashinfer_append(case, cache, k_new, v_new):
 def time_calls(calls: dict, samples: int, sync, rounds: int = 20) -> None:
     """Prints each call's median over ``samples`` single calls, each after ``sync``. The calls
     take turns, ``samples // rounds`` each a turn, so that a host whose speed drifts within
-    the run (by up to 2x over seconds, seen on an H100 host) weighs on all of them alike."""
-    for fn in calls.values():
-        fn()  # warm: compiles, checks once, prepares the launch
-        fn()
+    the run (by up to 2x over seconds, seen on an H100 host) weighs on all of them alike. An
+    entry ``(call, class)`` (:func:`part_calls`) runs its turns with that class's launches as
+    no-ops."""
+    for entry in calls.values():
+        with _quiet(entry) as fn:
+            fn()  # warm: compiles, checks once, prepares the launch
+            fn()
     times = {name: [] for name in calls}
     turns = max(1, min(rounds, samples))
     for turn in range(turns):
         count = samples // turns + (turn < samples % turns)
-        for name, fn in calls.items():
+        for name, entry in calls.items():
             took = times[name]
-            for _ in range(count):
-                sync()
-                start = time.perf_counter_ns()
-                fn()
-                took.append(time.perf_counter_ns() - start)
+            with _quiet(entry) as fn:
+                for _ in range(count):
+                    sync()
+                    start = time.perf_counter_ns()
+                    fn()
+                    took.append(time.perf_counter_ns() - start)
     for name, took in times.items():
         print(f"{name}: {statistics.median(took) / 1000:.1f} us", flush=True)
+
+
+@contextlib.contextmanager
+def _quiet(entry):
+    """A timed entry's call: itself, or for ``(call, class)`` the call while that class's
+    launches are no-ops."""
+    if not isinstance(entry, tuple):
+        yield entry
+        return
+    call, kind = entry
+    real = kind.__call__
+    kind.__call__ = lambda self, *args: None
+    try:
+        yield call
+    finally:
+        kind.__call__ = real
 
 
 def part_calls(calls: dict) -> dict:
     """Each call's bound launches alone (as the call makes them, on its arguments), and the
     call with them as no-ops (``(call, the launch class patched out)``): where a warm call's
-    time goes, launch and Python apart."""
+    time goes, launch and Python apart; timed in turns with the calls themselves."""
     import torch
 
     from pagedattn.launch import BoundStep, SlotLaunch, current_stream
@@ -333,6 +354,8 @@ def part_calls(calls: dict) -> dict:
         ("paged_decode", BoundStep), ("paged_decode_bf16", BoundStep),
         ("plan_decode_reuse", SlotLaunch), ("append_kv", SlotLaunch),
     ):  # fmt: skip
+        calls[name]()  # (warm: its launches compiled and bound)
+        calls[name]()
         seen = []
         real = kind.__call__
         kind.__call__ = lambda self, *args, seen=seen: seen.append((self, args))
@@ -365,22 +388,6 @@ def part_calls(calls: dict) -> dict:
     return parts
 
 
-def time_parts(parts: dict, samples: int, sync) -> None:
-    """:func:`time_calls` of :func:`part_calls`'s entries, each ``(call, class)`` one with that
-    class's launches as no-ops while it runs."""
-    for name, entry in parts.items():
-        if not isinstance(entry, tuple):
-            time_calls({name: entry}, samples, sync)
-            continue
-        call, kind = entry
-        real = kind.__call__
-        kind.__call__ = lambda self, *args: None
-        try:
-            time_calls({name: call}, samples, sync)
-        finally:
-            kind.__call__ = real
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.cpu:
@@ -406,9 +413,9 @@ def main(argv=None) -> None:
             calls.update(floor_calls(device))
         if args.peers:
             calls.update(peer_calls(device, gen))
-        time_calls(calls, args.samples, sync)
         if args.parts:
-            time_parts(part_calls(calls), args.samples, sync)
+            calls.update(part_calls(calls))
+        time_calls(calls, args.samples, sync)
         if args.cpu:
             from pagedattn.decode import _DECODE_STEPS
 

@@ -829,3 +829,32 @@ def test_xqa_takes_what_its_hopper_kernel_takes():
     assert not xqa.supports(cases.Case(batch=2, context=1024, page_size=8))[0]
     # Its FP8 query and probabilities: a looser bound than the run's, for FP8 only.
     assert xqa.error_bounds["fp8"] > run.ERROR_BOUNDS["fp8"]
+
+
+def test_host_overhead_times_each_call_and_its_parts_on_the_cpu():
+    """``scripts/host_overhead.py --cpu --parts`` (a child process: it stands in for the
+    launches) prints one positive time for every call and every part of one, in turns."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "scripts/host_overhead.py", "--cpu", "--family", "hopper", "--parts",
+         "--samples", "40"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    times = {}
+    for line in result.stdout.splitlines():
+        if not line.startswith("#"):
+            name, value = line.split(": ")
+            times[name] = float(value.removesuffix(" us"))
+    calls = ("paged_decode", "paged_decode_bf16", "plan_decode_reuse", "append_kv")
+    want = {
+        *calls, "paged_decode_out", "plan_decode", "append_kv_bf16", "append_kv_token",
+        "paged_decode_views", "append_kv_views", "torch.empty", "torch.empty_like(q)",
+        *(f"{name}.{part}" for name in calls for part in ("launches", "without_launches")),
+        "paged_decode.decode_launch", "paged_decode_bf16.decode_launch",
+    }  # fmt: skip
+    assert set(times) == want
+    assert all(value > 0 for value in times.values()), times
