@@ -825,14 +825,12 @@ class BoundStep:
         out_at = out.data_ptr()
         lse_at = out_at if lse is None else lse.data_ptr()
         decode, reduce = self.decode, self.reduce
-        enter = _RUNTIME_KNOBS.launch_enter_hook
-        exit_hook = _RUNTIME_KNOBS.launch_exit_hook
-        if getattr(enter, "calls", True) or getattr(exit_hook, "calls", True):
+        if not hooks_quiet():
             decode.hooked(stream, q_at, out_at, lse_at)
             if reduce is not None:
                 reduce.hooked(stream, out_at, lse_at)
             return
-        # (SlotLaunch.run3 and run2, inline: no hook registered.)
+        # (Both SlotLaunch calls, inline: no hook registered.)
         grid, p0, p1, p2, p3 = decode.parts
         decode.launcher(*grid, stream, *p0, q_at, *p1, out_at, *p2, lse_at, *p3)
         if reduce is not None:
